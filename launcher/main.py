@@ -1,0 +1,76 @@
+"""`python -m launcher [overrides]`: compose and resolve the config once, validate it, snapshot it into the run
+directory, print one summary, and start the workers.
+
+Hydra runs here and only here. Workers never re-enter `@hydra.main`: they read RUN_DIR/config.yaml.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from launcher.local import launch_local
+from launcher.schema import Config
+from launcher.summary import summary
+from launcher.validate import ConfigError, validate
+from train.config import CONFIG_FILE
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def write_snapshot(cfg: DictConfig, run_dir: Path) -> tuple[Path, list[str]]:
+    """Write the resolved config atomically; return its path and what changed since the last launch here."""
+    path = run_dir / CONFIG_FILE
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    changed = []
+    if path.exists():
+        old = _flat(OmegaConf.to_container(OmegaConf.load(path)))
+        new = _flat(OmegaConf.to_container(OmegaConf.create(text)))
+        changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path, changed
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    # Paths in the snapshot are absolute, so `python -m train RUN_DIR/config.yaml` works from any directory.
+    cfg.data.root = str(Path(cfg.data.root).expanduser().resolve())
+    typed: Config = OmegaConf.to_object(cfg)
+    try:
+        validate(typed, run_dir)
+    except ConfigError as error:
+        print(f"error: the config has {len(error.problems)} problem(s):\n{error}", file=sys.stderr)
+        sys.exit(2)
+
+    snapshot, changed = write_snapshot(cfg, run_dir)
+    print(summary(typed, run_dir, changed), flush=True)
+    if typed.launcher.dry_run:
+        print(f"dry run: nothing started. Run one rank by hand with: python -m train {snapshot}")
+        return
+    # torch.distributed.elastic logs every agent step at INFO; the launcher's own log file keeps them.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    try:
+        launch_local(typed, run_dir, snapshot)
+    except ChildFailedError as error:
+        print(f"error: training failed.\n{error.format_msg()}", file=sys.stderr)
+        sys.exit(1)

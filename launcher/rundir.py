@@ -1,0 +1,82 @@
+"""The run directory: a stable name derived from the command line, and a check that it can be written.
+
+A run has a stable identity: the same command finds the same directory (and resumes from its checkpoints)
+instead of a new timestamped one. The name is runs/<name>/<the overrides that change the result>; overrides
+that only change where or how the run is watched (paths, logging, launcher, max_steps, ...) are left out, so
+extending a run with trainer.max_steps=... resumes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+# Override keys (or prefixes ending in ".") that do not name a different run.
+NOT_IN_RUN_NAME = (
+    "experiment",
+    "name",
+    "hydra.",
+    "launcher.",
+    "checkpoint.",
+    "data.root",
+    "data.download",
+    "trainer.max_steps",
+    "trainer.progress",
+    "trainer.log_every",
+    "trainer.timeout_s",
+    "trainer.threads",
+)
+MAX_TAG = 120
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def run_tag(overrides) -> str:
+    """`${run_tag:${hydra:overrides.task}}`: a directory name made of the overrides that define the run."""
+    kept = sorted(o for o in overrides if not any(_key(o) == k or (k.endswith(".") and _key(o).startswith(k)) for k in NOT_IN_RUN_NAME))
+    if not kept:
+        return "default"
+    tag = ",".join(kept).replace("/", "_").replace(" ", "")
+    if len(tag) > MAX_TAG:  # file names are limited; keep a readable prefix and make it unique with a hash
+        tag = f"{tag[:MAX_TAG - 13]}-{hashlib.sha1(tag.encode()).hexdigest()[:12]}"
+    return tag
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("run_tag"):
+        OmegaConf.register_new_resolver("run_tag", run_tag)
+
+
+def check_writable(directory: Path, key: str) -> None:
+    """Exit with a message naming `key` if `directory` cannot be created or written."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        print(
+            f"error: {key}={directory} is not a writable directory ({error.strerror or error}). "
+            f"Point {key} at a directory you can write, e.g. {key}=runs/my-run.",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
+class CheckRunDir(Callback):
+    """Runs before Hydra creates the output directory, so a bad one gets our message, not a traceback."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        HydraConfig.instance().set_config(config)  # lets ${hydra:...} in the directory name resolve
+        check_writable(Path(config.hydra.run.dir), "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        HydraConfig.instance().set_config(config)
+        check_writable(Path(config.hydra.sweep.dir), "hydra.sweep.dir")

@@ -1,0 +1,47 @@
+"""The one summary the launcher prints before the workers start."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from launcher.local import procs_per_node, world_size
+from launcher.schema import Config
+from train.checkpoint import checkpoint_dir
+from train.dist import resolve_backend
+from train.optim import global_batch_size, scaled_lr
+
+
+def _devices(cfg: Config) -> str:
+    if cfg.trainer.gpus > 0:
+        return f"cuda:0..{cfg.trainer.gpus - 1} on each node (one GPU per process)"
+    threads = cfg.trainer.threads or max(1, len(os.sched_getaffinity(0)) // procs_per_node(cfg))
+    return f"cpu, {threads} thread(s) per process"
+
+
+def summary(cfg: Config, run_dir: Path, changed: list[str]) -> str:
+    t, o = cfg.trainer, cfg.optim
+    world = world_size(cfg)
+    batch = global_batch_size(cfg, world)
+    lr = scaled_lr(o, batch)
+    lr_note = f" (linear scaling: {o.lr:g} x {batch}/{o.reference_batch_size})" if o.scale_lr else ""
+    checkpoints = sorted(checkpoint_dir(run_dir).glob("step_*.pt"))
+    if checkpoints and cfg.checkpoint.resume:
+        start = f"resume from the newest loadable checkpoint ({checkpoints[-1].name})"
+    else:
+        start = "fresh start"
+    rows = [
+        ("run dir", str(run_dir)),
+        ("world", f"{world} processes = {t.nodes} node(s) x {procs_per_node(cfg)}, backend {resolve_backend(t.backend, t.gpus)}"),
+        ("devices", _devices(cfg)),
+        ("model", f"{cfg.model.name} (width {cfg.model.width})" if cfg.model.name != "mlp" else f"mlp {cfg.model.hidden}"),
+        ("data", f"{cfg.data.name} from {cfg.data.root}"),
+        ("batch", f"{cfg.data.batch_size} per process x {world} processes x {t.accumulate} accumulation = global batch {batch}"),
+        ("optim", f"{o.name}, lr {lr:.4g}{lr_note}, warmup {o.schedule.warmup_epochs:g} epoch(s), "
+                  f"{o.schedule.name} schedule over {t.epochs} epochs, precision {t.precision}"),
+        ("start", start),
+    ]
+    if changed:
+        rows.append(("changed", "since the last launch in this run dir: " + "; ".join(changed)))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

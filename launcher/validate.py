@@ -1,0 +1,117 @@
+"""Checks of the whole config before any process starts.
+
+Every problem is collected and reported at once, each naming the key, what was seen and the fix, so a user
+fixes a bad command in one round instead of watching N ranks crash (or hang) one problem at a time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from launcher.schema import Config
+from train.checkpoint import refuse_fresh_start_over
+from train.console import PROGRESS_MODES
+from train.data import LOADERS, DatasetMissing, prepare
+from train.dist import resolve_backend
+from train.models import MODELS
+from train.optim import SCHEDULES
+
+PRECISIONS = ("32", "bf16", "fp16")
+OPTIMIZERS = ("sgd", "adamw")
+LAUNCHERS = ("local",)
+
+
+class ConfigError(ValueError):
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(f"  - {p}" for p in problems))
+
+
+def _choice(problems: list[str], key: str, value, choices) -> bool:
+    if value not in choices:
+        problems.append(f"{key}={value!r} is not one of: {', '.join(map(str, choices))}.")
+        return False
+    return True
+
+
+def _at_least(problems: list[str], key: str, value, minimum, fix: str = "") -> None:
+    if value < minimum:
+        problems.append(f"{key}={value} must be at least {minimum}{'; ' + fix if fix else '.'}")
+
+
+def _check_world(cfg: Config, problems: list[str], cuda_devices: int) -> None:
+    t = cfg.trainer
+    _at_least(problems, "trainer.nodes", t.nodes, 1)
+    _at_least(problems, "trainer.gpus", t.gpus, 0, "use 0 to train on CPU")
+    if t.gpus > cuda_devices:
+        problems.append(
+            f"trainer.gpus={t.gpus}, but this machine has {cuda_devices} CUDA device(s)"
+            f"{'' if torch.backends.cuda.is_built() else ' (this torch is a CPU-only build)'}: use "
+            f"trainer.gpus={cuda_devices} or fewer" + (", or " if cuda_devices else "; or ")
+            + "trainer.gpus=0 to train on CPU with trainer.procs_per_node processes."
+        )
+    if t.gpus == 0:
+        _at_least(problems, "trainer.procs_per_node", t.procs_per_node, 1)
+    if _choice(problems, "trainer.backend", t.backend, ("auto", "gloo", "nccl")):
+        if resolve_backend(t.backend, t.gpus) == "nccl" and (t.gpus == 0 or cuda_devices == 0):
+            problems.append(
+                f"trainer.backend=nccl needs CUDA GPUs, but trainer.gpus={t.gpus} and {cuda_devices} CUDA "
+                f"device(s) are visible: use trainer.backend=gloo (or auto) on CPU, or trainer.gpus=N on a GPU machine."
+            )
+    if _choice(problems, "trainer.precision", t.precision, PRECISIONS) and t.precision == "fp16" and t.gpus == 0:
+        problems.append("trainer.precision=fp16 needs GPUs (trainer.gpus > 0): on CPU use trainer.precision=bf16 or 32.")
+    if t.nodes > 1 and not cfg.launcher.rdzv_endpoint:
+        problems.append(
+            f"trainer.nodes={t.nodes} needs launcher.rdzv_endpoint=HOST:PORT, the address of the first node "
+            f"(run the same command on every node), e.g. launcher.rdzv_endpoint=node0:29400."
+        )
+
+
+def _check_training(cfg: Config, problems: list[str]) -> None:
+    t, d, o = cfg.trainer, cfg.data, cfg.optim
+    _at_least(problems, "data.batch_size", d.batch_size, 1, "it is the batch per process")
+    _at_least(problems, "data.eval_batch_size", d.eval_batch_size, 1)
+    _at_least(problems, "trainer.accumulate", t.accumulate, 1)
+    _at_least(problems, "trainer.epochs", t.epochs, 1)
+    _at_least(problems, "trainer.log_every", t.log_every, 1)
+    _at_least(problems, "trainer.eval_every", t.eval_every, 0, "0 evaluates only at the end")
+    _at_least(problems, "trainer.grad_clip", t.grad_clip, 0.0, "0 disables clipping")
+    _at_least(problems, "trainer.threads", t.threads, 0, "0 picks cores / local processes")
+    _at_least(problems, "trainer.timeout_s", t.timeout_s, 1)
+    _choice(problems, "trainer.progress", t.progress, PROGRESS_MODES)
+    _choice(problems, "model.name", cfg.model.name, sorted(MODELS))
+    _choice(problems, "optim.name", o.name, OPTIMIZERS)
+    _choice(problems, "optim.schedule.name", o.schedule.name, SCHEDULES)
+    if o.lr <= 0:
+        problems.append(f"optim.lr={o.lr} must be positive.")
+    _at_least(problems, "optim.reference_batch_size", o.reference_batch_size, 1)
+    _at_least(problems, "optim.schedule.warmup_epochs", o.schedule.warmup_epochs, 0.0)
+    _at_least(problems, "checkpoint.keep_last", cfg.checkpoint.keep_last, 1)
+    _at_least(problems, "checkpoint.every_steps", cfg.checkpoint.every_steps, 0, "0 saves only after evaluations")
+    _at_least(problems, "launcher.max_restarts", cfg.launcher.max_restarts, 0)
+    _choice(problems, "launcher.name", cfg.launcher.name, LAUNCHERS)
+
+
+def _check_files(cfg: Config, run_dir: Path, problems: list[str]) -> None:
+    if _choice(problems, "data.name", cfg.data.name, sorted(LOADERS)):
+        try:
+            prepare(cfg.data)
+        except DatasetMissing as error:
+            problems.append(str(error))
+    if not cfg.checkpoint.resume:
+        try:
+            refuse_fresh_start_over(run_dir)
+        except FileExistsError as error:
+            problems.append(str(error))
+
+
+def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> None:
+    """Raise ConfigError listing every problem with `cfg` (and its data and run directory)."""
+    problems: list[str] = []
+    _check_world(cfg, problems, torch.cuda.device_count() if cuda_devices is None else cuda_devices)
+    _check_training(cfg, problems)
+    _check_files(cfg, run_dir, problems)
+    if problems:
+        raise ConfigError(problems)

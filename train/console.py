@@ -1,0 +1,103 @@
+"""Rank 0's console: a progress bar on a terminal, plain periodic lines otherwise (logs, pipes, SLURM).
+
+Other ranks get a NullConsole. Nothing here touches the device: it only shows numbers the loop already has.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from train.dist import DistEnv
+
+
+def _format(values: dict[str, float]) -> str:
+    parts = []
+    for key, value in values.items():
+        if key == "lr":
+            parts.append(f"lr {value:.3g}")
+        elif key == "samples_per_s":
+            parts.append(f"{value:,.0f} samples/s")
+        elif key in ("step_time_s", "data_time_s"):
+            parts.append(f"{key[:-7]} {value * 1000:.1f} ms")
+        elif key == "acc":
+            parts.append(f"acc {value:.2%}")
+        else:
+            parts.append(f"{key} {value:.4f}")
+    return "  ".join(parts)
+
+
+class LinesConsole:
+    def __init__(self, total_steps: int):
+        self.total = total_steps
+
+    def print(self, message: str) -> None:
+        print(message, flush=True)
+
+    def advance(self, step: int) -> None:
+        pass
+
+    def show(self, step: int, epoch: int, values: dict[str, float]) -> None:
+        self.print(f"step {step}/{self.total}  epoch {epoch + 1}  {_format(values)}")
+
+    def show_eval(self, step: int, epoch: int, values: dict[str, float]) -> None:
+        self.print(f"eval  step {step}  after epoch {epoch}  {_format(values)}")
+
+    def close(self) -> None:
+        pass
+
+
+class BarConsole(LinesConsole):
+    def __init__(self, total_steps: int, start_step: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        super().__init__(total_steps)
+        self.bar = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+        )
+        self.task = self.bar.add_task("train", total=total_steps, completed=start_step, info="")
+        self.bar.start()
+
+    def print(self, message: str) -> None:
+        self.bar.console.print(message, highlight=False)
+
+    def advance(self, step: int) -> None:
+        self.bar.update(self.task, completed=step)
+
+    def show(self, step: int, epoch: int, values: dict[str, float]) -> None:
+        self.bar.update(self.task, completed=step, info=f"epoch {epoch + 1}  {_format(values)}")
+
+    def close(self) -> None:
+        self.bar.stop()
+
+
+class NullConsole:
+    def print(self, message: str) -> None:
+        pass
+
+    def advance(self, step: int) -> None:
+        pass
+
+    def show(self, step: int, epoch: int, values: dict[str, float]) -> None:
+        pass
+
+    def show_eval(self, step: int, epoch: int, values: dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+PROGRESS_MODES = ("auto", "bar", "lines", "off")
+
+
+def build_console(env: DistEnv, mode: str, total_steps: int, start_step: int):
+    if not env.is_main or mode == "off":
+        return NullConsole()
+    if mode == "bar" or (mode == "auto" and sys.stdout.isatty()):
+        return BarConsole(total_steps, start_step)
+    return LinesConsole(total_steps)

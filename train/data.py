@@ -1,0 +1,257 @@
+"""Data sets, read from their standard on-disk formats into memory.
+
+Every data set here fits in memory (CIFAR-10 is 150 MB as uint8), so each is held as one image tensor and one
+label tensor and served as whole batches by `train.batches`: no per-sample Python work in the training loop.
+Images stay in their stored dtype (uint8 for the file formats) and are normalised per batch.
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from train.config import DataConfig
+
+
+class DatasetMissing(FileNotFoundError):
+    """A data set's files are not where the config says; the message says where and how to get them."""
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    channels: int
+    image_size: int
+    num_classes: int
+
+
+@dataclass
+class TensorData:
+    images: torch.Tensor  # (N, C, H, W), uint8 or float32
+    labels: torch.Tensor  # (N,), int64
+    mean: tuple[float, ...]  # per channel, after scaling to [0, 1]
+    std: tuple[float, ...]
+    scale: float = 1.0  # multiplies the stored values before normalisation (1/255 for uint8 images)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        shape = (1, -1, 1, 1)
+        mean = torch.tensor(self.mean, device=images.device).view(shape)
+        std = torch.tensor(self.std, device=images.device).view(shape)
+        return (images.float() * self.scale - mean) / std
+
+
+@dataclass
+class Datasets:
+    train: TensorData
+    eval: TensorData
+    spec: DataSpec
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where each file format lives (torchvision's layout first, so its downloads are found as they are)
+
+MNIST_FILES = {
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "eval_images": "t10k-images-idx3-ubyte",
+    "eval_labels": "t10k-labels-idx1-ubyte",
+}
+IDX_DIRS = {"mnist": ("MNIST/raw", "MNIST", "mnist"), "fashion_mnist": ("FashionMNIST/raw", "FashionMNIST", "fashion_mnist")}
+CIFAR_DIR = "cifar-10-batches-py"
+CIFAR_TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
+CIFAR_EVAL = ["test_batch"]
+
+SOURCES = {
+    "mnist": "http://yann.lecun.com/exdb/mnist/ (or any mirror of the four IDX files)",
+    "fashion_mnist": "https://github.com/zalandoresearch/fashion-mnist (data/fashion/*.gz)",
+    "cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz (extract it into data.root)",
+}
+STATS = {  # per-channel mean and std of the training images, in [0, 1]
+    "mnist": ((0.1307,), (0.3081,)),
+    "fashion_mnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+}
+
+
+def _find_file(directory: Path, name: str) -> Path | None:
+    for candidate in (directory / name, directory / f"{name}.gz"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _idx_dir(cfg: DataConfig) -> Path | None:
+    """The first known directory under data.root that holds all four IDX files."""
+    for sub in IDX_DIRS[cfg.name]:
+        directory = Path(cfg.root) / sub
+        if all(_find_file(directory, f) for f in MNIST_FILES.values()):
+            return directory
+    return None
+
+
+def _missing(cfg: DataConfig, expected: str) -> DatasetMissing:
+    return DatasetMissing(
+        f"data.name={cfg.name}: no data set at data.root={cfg.root!r}; expected {expected}. "
+        f"Get the files from {SOURCES[cfg.name]}, point data.root at the directory that holds them, "
+        f"or set data.download=true (needs torchvision: pip install -e '.[vision]')."
+    )
+
+
+def check_available(cfg: DataConfig) -> None:
+    """Raise DatasetMissing (with where the files are expected and how to get them) if the data is not there."""
+    if cfg.name in IDX_DIRS:
+        if _idx_dir(cfg) is None:
+            where = " or ".join(f"{Path(cfg.root) / d}/" for d in IDX_DIRS[cfg.name])
+            raise _missing(cfg, f"{', '.join(MNIST_FILES.values())} (optionally .gz) in {where}")
+    elif cfg.name == "cifar10":
+        directory = Path(cfg.root) / CIFAR_DIR
+        if not all((directory / f).is_file() for f in CIFAR_TRAIN + CIFAR_EVAL):
+            raise _missing(cfg, f"the CIFAR-10 python batches ({', '.join(CIFAR_TRAIN + CIFAR_EVAL)}) in {directory}/")
+
+
+def download(cfg: DataConfig) -> None:
+    """Fetch a missing file-backed data set with torchvision, into the layout `check_available` looks for."""
+    try:
+        from torchvision import datasets as tv
+    except ImportError as error:
+        raise DatasetMissing(
+            f"data.download=true needs torchvision, which is not importable ({error}). "
+            f"Install it with pip install -e '.[vision]', or fetch the files by hand: {SOURCES[cfg.name]}."
+        ) from error
+    cls = {"mnist": tv.MNIST, "fashion_mnist": tv.FashionMNIST, "cifar10": tv.CIFAR10}[cfg.name]
+    for train in (True, False):
+        cls(cfg.root, train=train, download=True)
+
+
+def prepare(cfg: DataConfig) -> None:
+    """Make sure the data is on disk before any worker starts (downloading once, not once per rank)."""
+    if cfg.name not in LOADERS:
+        raise DatasetMissing(f"data.name={cfg.name!r} is not a known data set; choose one of: {', '.join(sorted(LOADERS))}.")
+    try:
+        check_available(cfg)
+    except DatasetMissing:
+        if not cfg.download:
+            raise
+        download(cfg)
+        check_available(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Readers of the on-disk formats
+
+def _open(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """Read an IDX file (the MNIST format): magic (0, 0, dtype=0x08 for uint8, ndim), big-endian dims, data."""
+    with _open(path) as f:
+        zero, dtype, ndim = struct.unpack(">HBB", f.read(4))
+        if zero != 0 or dtype != 0x08:
+            raise ValueError(f"{path} is not an IDX file of unsigned bytes (magic {zero:#x} {dtype:#x})")
+        dims = struct.unpack(f">{ndim}I", f.read(4 * ndim))
+        data = f.read()
+    expected = 1
+    for d in dims:
+        expected *= d
+    if len(data) != expected:
+        raise ValueError(f"{path} is truncated: {len(data)} bytes of data, the header promises {expected}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(dims)
+
+
+def _load_idx(cfg: DataConfig) -> tuple[TensorData, TensorData]:
+    check_available(cfg)
+    directory = _idx_dir(cfg)
+    read = {key: read_idx(_find_file(directory, name)) for key, name in MNIST_FILES.items()}
+    mean, std = STATS[cfg.name]
+    train = TensorData(read["train_images"].unsqueeze(1), read["train_labels"].long(), mean, std, 1 / 255)
+    evals = TensorData(read["eval_images"].unsqueeze(1), read["eval_labels"].long(), mean, std, 1 / 255)
+    return train, evals
+
+
+def read_cifar_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """One CIFAR-10 python batch: a pickled dict with b'data' (N x 3072 uint8, CHW order) and b'labels'."""
+    with open(path, "rb") as f:
+        batch = pickle.load(f, encoding="bytes")
+    images = torch.as_tensor(batch[b"data"], dtype=torch.uint8).reshape(-1, 3, 32, 32)
+    return images, torch.as_tensor(batch[b"labels"], dtype=torch.long)
+
+
+def _load_cifar10(cfg: DataConfig) -> tuple[TensorData, TensorData]:
+    check_available(cfg)
+    directory = Path(cfg.root) / CIFAR_DIR
+    mean, std = STATS["cifar10"]
+    out = []
+    for files in (CIFAR_TRAIN, CIFAR_EVAL):
+        parts = [read_cifar_batch(directory / f) for f in files]
+        images = torch.cat([p[0] for p in parts])
+        labels = torch.cat([p[1] for p in parts])
+        out.append(TensorData(images, labels, mean, std, 1 / 255))
+    return out[0], out[1]
+
+
+def _split(images: torch.Tensor, labels: torch.Tensor, cfg: DataConfig):
+    """A fixed, seeded train/eval split: the same on every rank and every run."""
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.split_seed))
+    n_eval = round(len(labels) * cfg.eval_fraction)
+    ev, tr = order[:n_eval], order[n_eval:]
+    return (images[tr], labels[tr]), (images[ev], labels[ev])
+
+
+def _load_digits(cfg: DataConfig) -> tuple[TensorData, TensorData]:
+    """scikit-learn's bundled 8x8 digits (1,797 real scans, values 0..16), upscaled to data.image_size."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = torch.as_tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.as_tensor(digits.target, dtype=torch.long)
+    (tr_x, tr_y), (ev_x, ev_y) = _split(images, labels, cfg)
+    mean, std = (tr_x.mean().item(),), (tr_x.std().item(),)
+    return TensorData(tr_x, tr_y, mean, std), TensorData(ev_x, ev_y, mean, std)
+
+
+def _load_synthetic(cfg: DataConfig) -> tuple[TensorData, TensorData]:
+    """Noisy copies of one random prototype image per class: learnable, any size, generated in memory."""
+    g = torch.Generator().manual_seed(cfg.split_seed)
+    size = cfg.image_size or 16
+    prototypes = torch.randn(cfg.num_classes, cfg.channels, size, size, generator=g)
+
+    def sample(n: int) -> TensorData:
+        labels = torch.randint(cfg.num_classes, (n,), generator=g)
+        images = prototypes[labels] + cfg.noise * torch.randn(n, cfg.channels, size, size, generator=g)
+        return TensorData(images, labels, (0.0,) * cfg.channels, (1.0,) * cfg.channels)
+
+    return sample(cfg.num_samples), sample(cfg.num_eval_samples)
+
+
+LOADERS = {
+    "digits": _load_digits,
+    "synthetic": _load_synthetic,
+    "mnist": _load_idx,
+    "fashion_mnist": _load_idx,
+    "cifar10": _load_cifar10,
+}
+
+
+def _resize(data: TensorData, size: int) -> TensorData:
+    if data.images.shape[-1] == size:
+        return data
+    images = F.interpolate(data.images.float() * data.scale, size=(size, size), mode="bilinear", align_corners=False)
+    return TensorData(images, data.labels, data.mean, data.std)
+
+
+def build_datasets(cfg: DataConfig) -> Datasets:
+    train, evals = LOADERS[cfg.name](cfg)
+    if cfg.image_size:
+        train, evals = _resize(train, cfg.image_size), _resize(evals, cfg.image_size)
+    num_classes = cfg.num_classes if cfg.name == "synthetic" else 10
+    spec = DataSpec(channels=train.images.shape[1], image_size=train.images.shape[-1], num_classes=num_classes)
+    return Datasets(train, evals, spec)

@@ -1,0 +1,88 @@
+"""One optimizer step (with gradient accumulation), and the meter that turns steps into logged numbers.
+
+The meter keeps the loss as a device tensor and only reads it back at log intervals: a `.item()` per step
+would make the host wait for the device on every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from train.config import TrainerConfig
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_autocast(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    if precision == "32":
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
+
+
+class Meter:
+    def __init__(self, device: torch.device):
+        self.loss_sum = torch.zeros((), device=device)
+        self.steps = 0
+        self.data_time = 0.0
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """Start timing afresh (after evaluation or a checkpoint, which are not training throughput)."""
+        self.clock = time.perf_counter()
+        self.timed_steps = 0
+        self.data_time = 0.0
+
+    def reduce(self, global_batch: int) -> dict[str, float]:
+        """Average the loss over ranks and steps since the last call (collective), and time the interval."""
+        loss = self.loss_sum.detach().clone()
+        dist.all_reduce(loss)
+        elapsed = time.perf_counter() - self.clock
+        values = {
+            "loss": loss.item() / dist.get_world_size() / max(1, self.steps),
+            "samples_per_s": self.timed_steps * global_batch / elapsed,
+            "step_time_s": elapsed / max(1, self.timed_steps),
+            "data_time_s": self.data_time / max(1, self.timed_steps),
+        }
+        self.loss_sum.zero_()
+        self.steps = 0
+        self.restart_clock()
+        return values
+
+
+def train_step(
+    model: nn.Module,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    scaler: torch.amp.GradScaler,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    cfg: TrainerConfig,
+    meter: Meter,
+) -> None:
+    for micro in range(cfg.accumulate):
+        start = time.perf_counter()
+        images, labels = next(batches)
+        meter.data_time += time.perf_counter() - start
+        # DDP all-reduces gradients on the last micro-step only; the others just accumulate locally.
+        last = micro == cfg.accumulate - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            with autocast():
+                loss = F.cross_entropy(model(images), labels) / cfg.accumulate
+            scaler.scale(loss).backward()
+        meter.loss_sum += loss.detach().float()
+    if cfg.grad_clip > 0:
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    meter.steps += 1
+    meter.timed_steps += 1
