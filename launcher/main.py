@@ -17,9 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from launcher.local import launch_local
-from launcher.schema import Config
 from launcher.summary import summary
-from launcher.validate import ConfigError, validate
+from launcher.validate import ConfigError, typed_config, validate
 from train.config import CONFIG_FILE
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -55,8 +54,8 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     # Paths in the snapshot are absolute, so `python -m train RUN_DIR/config.yaml` works from any directory.
     cfg.data.root = str(Path(cfg.data.root).expanduser().resolve())
-    typed: Config = OmegaConf.to_object(cfg)
     try:
+        typed = typed_config(cfg)
         validate(typed, run_dir)
     except ConfigError as error:
         print(f"error: the config has {len(error.problems)} problem(s):\n{error}", file=sys.stderr)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError
 
 from launcher.schema import Config
 from train.checkpoint import refuse_fresh_start_over
@@ -27,6 +29,23 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("\n".join(f"  - {p}" for p in problems))
+
+
+def typed_config(cfg: DictConfig) -> Config:
+    """The composed config as a typed Config, checked once more against the schema.
+
+    Hydra lets `+section.key=value` add a key that the schema does not have; merging into a fresh schema
+    refuses it, so a misspelt key fails even when written with a `+`.
+    """
+    schema = OmegaConf.structured(Config)
+    OmegaConf.set_struct(schema, True)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.to_container(cfg, resolve=True)))
+    except ConfigKeyError as error:
+        raise ConfigError(
+            [f"{error.full_key} is not a config key (misspelt?); the keys and their meaning are in train/config.py "
+             f"and launcher/schema.py, or print the whole config with: python -m launcher --cfg job"]
+        ) from error
 
 
 def _choice(problems: list[str], key: str, value, choices) -> bool:

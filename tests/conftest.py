@@ -1,0 +1,72 @@
+"""Shared helpers: run the real CLI in a subprocess, compose configs in-process, read run directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO / "conf"
+
+# Small, fast settings for runs that check mechanics rather than accuracy.
+FAST = ["trainer.progress=lines", "trainer.threads=1"]
+
+
+def run_cli(module: str, *args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` in a fresh process; its output is shown if a test fails."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    print(f"$ python -m {module} {' '.join(args)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """Run `python -m launcher` with the given overrides in a scratch working directory."""
+
+    def _launch(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return run_cli("launcher", *overrides, cwd=tmp_path, timeout=timeout)
+
+    return _launch
+
+
+def compose(*overrides: str):
+    """Compose the config in-process exactly as the CLI does (same schema, same resolver), without running."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from launcher.rundir import register_resolvers
+    from launcher.schema import register_configs
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=False)
+
+
+def typed(*overrides: str):
+    from launcher.validate import typed_config
+
+    return typed_config(compose(*overrides))
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_checkpoint(run_dir: Path) -> dict:
+    files = sorted((run_dir / "checkpoints").glob("step_*.pt"))
+    assert files, f"no checkpoint in {run_dir}"
+    return torch.load(files[-1], weights_only=True)

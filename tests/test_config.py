@@ -1,0 +1,174 @@
+"""Composition and validation: every preset composes; bad configs fail before any process starts, saying
+which key is wrong and how to fix it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from conftest import CONF_DIR, typed
+from launcher.schema import Config
+from launcher.validate import ConfigError, validate
+from train.config import TrainConfig, load_config
+from train.models import MODELS
+
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+
+
+def test_the_presets_the_issue_names_exist():
+    assert {"digits", "lenet", "resnet18"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_into_the_typed_schema(experiment):
+    cfg = typed(f"+experiment={experiment}")
+    assert isinstance(cfg, Config)
+    assert cfg.name == experiment
+    assert cfg.model.name in MODELS
+
+
+def test_presets_pick_their_model_and_data():
+    resnet = typed("+experiment=resnet18")
+    assert (resnet.model.name, resnet.data.name, resnet.model.width) == ("resnet18", "cifar10", 64)
+    lenet = typed("+experiment=lenet")
+    assert (lenet.model.name, lenet.data.name) == ("lenet", "fashion_mnist")
+
+
+def test_the_default_job_is_the_digits_preset_on_two_cpu_processes():
+    default, digits = typed(), typed("+experiment=digits")
+    assert default == digits
+    assert (default.trainer.gpus, default.trainer.procs_per_node, default.data.name) == (0, 2, "digits")
+
+
+@pytest.mark.parametrize("group", ["model", "data", "optim", "trainer"])
+def test_every_group_option_composes(group):
+    for option in sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")):
+        cfg = typed(f"{group}={option}")
+        assert isinstance(cfg, Config)
+
+
+def test_misspelt_key_fails_at_composition():
+    with pytest.raises(ConfigCompositionException) as info:
+        typed("trainer.epoch=3")
+    assert "Key 'epoch' not in 'TrainerConfig'" in str(info.value.__cause__)
+
+
+def test_misspelt_key_added_with_plus_fails_too():
+    with pytest.raises(ConfigError) as info:
+        typed("+trainer.epoch=3")
+    assert "trainer.epoch is not a config key" in str(info.value)
+
+
+def test_wrong_type_fails_at_composition():
+    with pytest.raises(ConfigCompositionException) as info:
+        typed("trainer.epochs=many")
+    assert isinstance(info.value.__cause__, ValidationError)
+    assert "trainer.epochs" in str(info.value.__cause__)
+
+
+def problems(*overrides: str, run_dir: Path, cuda_devices: int = 0) -> str:
+    cfg = typed(*overrides)
+    cfg.data.root = str(run_dir / "data")
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, run_dir, cuda_devices=cuda_devices)
+    return str(info.value)
+
+
+def test_more_gpus_than_present(tmp_path):
+    message = problems("trainer.gpus=4", run_dir=tmp_path, cuda_devices=1)
+    assert "trainer.gpus=4" in message and "1 CUDA device" in message and "trainer.gpus=0" in message
+
+
+def test_nccl_without_cuda(tmp_path):
+    message = problems("trainer.backend=nccl", run_dir=tmp_path)
+    assert "trainer.backend=nccl needs CUDA GPUs" in message and "trainer.backend=gloo" in message
+
+
+def test_batch_size_below_one(tmp_path):
+    assert "data.batch_size=0 must be at least 1" in problems("data.batch_size=0", run_dir=tmp_path)
+
+
+def test_unknown_model_name(tmp_path):
+    message = problems("model.name=transformer", run_dir=tmp_path)
+    assert "model.name='transformer' is not one of" in message and "resnet18" in message
+
+
+def test_missing_data_set_says_where_and_how(tmp_path):
+    message = problems("+experiment=lenet", run_dir=tmp_path)
+    assert "data.name=fashion_mnist" in message
+    assert str(tmp_path / "data" / "FashionMNIST" / "raw") in message  # where the files are expected
+    assert "train-images-idx3-ubyte" in message and "data.download=true" in message  # what and how
+
+
+def test_fp16_on_cpu_and_multi_node_without_endpoint(tmp_path):
+    message = problems("trainer.precision=fp16", "trainer.nodes=2", run_dir=tmp_path)
+    assert "trainer.precision=fp16 needs GPUs" in message
+    assert "launcher.rdzv_endpoint=HOST:PORT" in message
+
+
+def test_all_problems_are_reported_at_once(tmp_path):
+    message = problems("data.batch_size=0", "trainer.accumulate=0", "optim.lr=-1", run_dir=tmp_path)
+    assert "data.batch_size" in message and "trainer.accumulate" in message and "optim.lr" in message
+
+
+def test_valid_default_config_passes(tmp_path):
+    validate(typed(), tmp_path, cuda_devices=0)
+
+
+def test_snapshot_round_trips_through_the_worker_schema(tmp_path):
+    from omegaconf import OmegaConf
+
+    cfg = typed("data.batch_size=7", "launcher.max_restarts=2")
+    OmegaConf.save(OmegaConf.structured(cfg), tmp_path / "config.yaml")
+    loaded = load_config(tmp_path / "config.yaml")
+    assert isinstance(loaded, TrainConfig) and loaded.data.batch_size == 7
+    assert not hasattr(loaded, "launcher")  # the worker ignores the launcher's section
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The same errors through the real CLI: exit code 2, the message, and no worker started.
+
+def _assert_nothing_started(run_root: Path) -> None:
+    assert not list(run_root.rglob("checkpoints")), "a worker started despite the bad config"
+    assert not list(run_root.rglob("metrics.jsonl"))
+
+
+def test_cli_refuses_more_gpus_than_present(launch, tmp_path):
+    proc = launch("trainer.gpus=4", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    assert "trainer.gpus=4, but this machine has 0 CUDA device(s)" in proc.stderr
+    _assert_nothing_started(tmp_path)
+
+
+def test_cli_refuses_an_experiment_that_does_not_exist(launch, tmp_path):
+    proc = launch("+experiment=imagenet")
+    assert proc.returncode != 0
+    assert "Could not find 'experiment/imagenet'" in proc.stderr
+    assert "digits" in proc.stderr and "resnet18" in proc.stderr  # the available options are listed
+    _assert_nothing_started(tmp_path)
+
+
+def test_cli_refuses_an_unknown_model_group(launch, tmp_path):
+    proc = launch("model=transformer")
+    assert proc.returncode != 0
+    assert "Could not find 'model/transformer'" in proc.stderr and "resnet18" in proc.stderr
+
+
+def test_cli_refuses_a_run_dir_that_is_not_writable(launch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    proc = launch(f"hydra.run.dir={blocker / 'run'}")
+    assert proc.returncode == 2
+    assert f"hydra.run.dir={blocker / 'run'} is not a writable directory" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_refuses_a_missing_data_set(launch, tmp_path):
+    proc = launch("+experiment=resnet18", f"data.root={tmp_path / 'nothing-here'}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    assert f"{tmp_path / 'nothing-here' / 'cifar-10-batches-py'}" in proc.stderr
+    assert "cifar-10-python.tar.gz" in proc.stderr
+    _assert_nothing_started(tmp_path)

@@ -1,0 +1,108 @@
+"""The default job end to end through the real CLI: 2 gloo processes, checkpoints, TensorBoard, accuracy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import FAST, REPO, read_metrics, run_cli
+from train.config import load_config
+from train.data import DataSpec
+from train.models import build_model
+
+
+def test_default_job_trains_to_90_percent_with_checkpoints_and_tensorboard(launch, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(f"hydra.run.dir={run_dir}", "trainer.progress=lines")
+    assert proc.returncode == 0
+
+    # One summary, printed by the launcher before the workers start.
+    assert proc.stdout.count("run dir") == 1 and "backend gloo" in proc.stdout
+    assert "= global batch 128" in proc.stdout
+    assert "2 processes = 1 node(s) x 2" in proc.stdout
+
+    # The resolved snapshot, with an absolute data root, readable by the worker schema.
+    snapshot = load_config(run_dir / "config.yaml")
+    assert snapshot.trainer.procs_per_node == 2 and snapshot.data.root.startswith("/")
+
+    records = read_metrics(run_dir)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert len(evals) == 15  # one per epoch
+    assert evals[-1]["acc"] >= 0.90
+
+    # Checkpoints: the unwrapped model's plain state_dict, loadable weights-only, plus everything to resume.
+    ckpt_dir = run_dir / "checkpoints"
+    steps = sorted(ckpt_dir.glob("step_*.pt"))
+    assert len(steps) == 3  # keep_last
+    final = torch.load(steps[-1], weights_only=True)
+    assert final["step"] == 165 and final["world_size"] == 2 and final["global_batch"] == 128
+    assert not any(k.startswith("module.") for k in final["model"])
+    assert len(final["rng"]) == 2 and not torch.equal(final["rng"][0]["torch"], final["rng"][1]["torch"])
+    model = build_model(snapshot.model, DataSpec(channels=1, image_size=16, num_classes=10))
+    model.load_state_dict(final["model"])  # strict: every key matches the unwrapped model
+
+    best = torch.load(ckpt_dir / "best.pt", weights_only=True)
+    assert best["best_acc"] == max(e["acc"] for e in evals)
+
+    # TensorBoard scalars read back agree with metrics.jsonl.
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("train/loss", "train/lr", "train/samples_per_s", "train/step_time_s", "train/data_time_s", "eval/loss", "eval/acc"):
+        assert tag in tags
+    tb_acc = [(e.step, e.value) for e in events.Scalars("eval/acc")]
+    assert [s for s, _ in tb_acc] == [e["step"] for e in evals]
+    assert abs(tb_acc[-1][1] - evals[-1]["acc"]) < 1e-6
+    train_steps = [e.step for e in events.Scalars("train/loss")]
+    assert train_steps == list(range(10, 166, 10))
+    lrs = [e.value for e in events.Scalars("train/lr")]
+    assert lrs[-1] < lrs[1]  # the cosine schedule decays
+    assert all(e.value > 0 for e in events.Scalars("train/samples_per_s"))
+    assert (run_dir / "tb").glob("events.out.tfevents.*")
+
+    # Re-running the same command resumes: nothing left to do, nothing rewritten.
+    again = launch(f"hydra.run.dir={run_dir}", "trainer.progress=lines")
+    assert again.returncode == 0
+    assert "resumed at step 165" in again.stdout and "nothing to do" in again.stdout
+    assert read_metrics(run_dir) == records
+
+
+def test_two_runs_at_once_do_not_clash_on_ports(tmp_path):
+    common = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.epochs=1", "trainer.log_every=8"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "launcher", *common, f"hydra.run.dir={tmp_path / name}"],
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for name in ("a", "b")
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for proc, out in zip(procs, outputs):
+        print(out)
+        assert proc.returncode == 0
+    for name in ("a", "b"):
+        assert list((tmp_path / name / "checkpoints").glob("step_*.pt"))
+
+
+def test_snapshot_runs_under_plain_torchrun(launch, tmp_path):
+    """`python -m train RUN_DIR/config.yaml` is a complete rank: torchrun users skip the launcher entirely."""
+    run_dir = tmp_path / "run"
+    overrides = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=2", "trainer.epochs=2"]
+    dry = launch(*overrides, "launcher.dry_run=true", f"hydra.run.dir={run_dir}")
+    assert dry.returncode == 0 and "dry run: nothing started" in dry.stdout
+    assert not (run_dir / "checkpoints").exists()
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train", str(run_dir / "config.yaml")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    print(proc.stdout, proc.stderr)
+    assert proc.returncode == 0
+    evals = [r for r in read_metrics(run_dir) if r["kind"] == "eval"]
+    assert len(evals) == 2 and evals[-1]["acc"] > 0.5
+    plan = OmegaConf.load(run_dir / "plan.json")
+    assert plan.world_size == 2 and plan.global_batch == 64
