@@ -1,0 +1,133 @@
+"""Data sets in their real on-disk formats (crafted small files), batching, augmentation, and the models."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from train.batches import TrainBatches, augment
+from train.config import DataConfig, ModelConfig
+from train.data import DatasetMissing, TensorData, build_datasets, check_available, read_idx
+from train.models import MODELS, build_model
+
+
+def write_idx(path, array: np.ndarray, compress: bool) -> None:
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    payload = header + array.astype(np.uint8).tobytes()
+    if compress:
+        with gzip.open(f"{path}.gz", "wb") as f:
+            f.write(payload)
+    else:
+        path.write_bytes(payload)
+
+
+def craft_mnist(directory, n_train=30, n_eval=11, compress=True):
+    rng = np.random.default_rng(0)
+    directory.mkdir(parents=True)
+    arrays = {
+        "train-images-idx3-ubyte": rng.integers(0, 256, (n_train, 28, 28)),
+        "train-labels-idx1-ubyte": rng.integers(0, 10, (n_train,)),
+        "t10k-images-idx3-ubyte": rng.integers(0, 256, (n_eval, 28, 28)),
+        "t10k-labels-idx1-ubyte": rng.integers(0, 10, (n_eval,)),
+    }
+    for name, array in arrays.items():
+        write_idx(directory / name, array, compress)
+    return arrays
+
+
+@pytest.mark.parametrize("name,subdir,compress", [("mnist", "MNIST/raw", True), ("fashion_mnist", "fashion_mnist", False)])
+def test_idx_files_load_in_torchvision_and_plain_layouts(tmp_path, name, subdir, compress):
+    arrays = craft_mnist(tmp_path / subdir, compress=compress)
+    data = build_datasets(DataConfig(name=name, root=str(tmp_path)))
+    assert data.train.images.shape == (30, 1, 28, 28) and data.train.images.dtype == torch.uint8
+    assert np.array_equal(data.train.images[:, 0].numpy(), arrays["train-images-idx3-ubyte"])
+    assert np.array_equal(data.eval.labels.numpy(), arrays["t10k-labels-idx1-ubyte"])
+    assert (data.spec.channels, data.spec.image_size, data.spec.num_classes) == (1, 28, 10)
+
+
+def test_truncated_idx_file_is_reported(tmp_path):
+    write_idx(tmp_path / "x", np.zeros((4, 28, 28)), compress=False)
+    (tmp_path / "x").write_bytes((tmp_path / "x").read_bytes()[:-10])
+    with pytest.raises(ValueError, match="truncated"):
+        read_idx(tmp_path / "x")
+
+
+def test_cifar10_python_batches_load(tmp_path):
+    directory = tmp_path / "cifar-10-batches-py"
+    directory.mkdir()
+    rng = np.random.default_rng(1)
+    batches = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8), b"labels": list(rng.integers(0, 10, 4))}
+        batches[name] = batch
+        with open(directory / name, "wb") as f:
+            pickle.dump(batch, f)
+    data = build_datasets(DataConfig(name="cifar10", root=str(tmp_path)))
+    assert data.train.images.shape == (20, 3, 32, 32) and data.eval.images.shape == (4, 3, 32, 32)
+    # CHW order: the first 1024 bytes are the red plane of the first image.
+    assert np.array_equal(data.train.images[0, 0].flatten().numpy(), batches["data_batch_1"][b"data"][0, :1024])
+    assert data.eval.labels.tolist() == [int(v) for v in batches["test_batch"][b"labels"]]
+
+
+def test_missing_data_message_says_where_and_how(tmp_path):
+    with pytest.raises(DatasetMissing) as info:
+        check_available(DataConfig(name="mnist", root=str(tmp_path)))
+    message = str(info.value)
+    assert str(tmp_path / "MNIST" / "raw") in message and "t10k-labels-idx1-ubyte" in message
+    assert "data.download=true" in message and "data.root" in message
+
+
+def test_digits_split_is_fixed_and_disjoint():
+    a = build_datasets(DataConfig(name="digits", image_size=16))
+    b = build_datasets(DataConfig(name="digits", image_size=16))
+    assert len(a.train) + len(a.eval) == 1797 and len(a.eval) == round(1797 * 0.2)
+    assert torch.equal(a.train.images, b.train.images) and a.train.images.shape[-1] == 16
+    train_rows = {tuple(x.flatten().tolist()) for x in a.train.images}
+    assert sum(tuple(x.flatten().tolist()) in train_rows for x in a.eval.images) < 5  # (a few scans are duplicates)
+
+
+def test_ranks_partition_each_epoch_and_resume_from_any_batch():
+    data = TensorData(torch.arange(40).float().view(40, 1, 1, 1), torch.arange(40), (0.0,), (1.0,))
+    cpu = torch.device("cpu")
+    shards = [TrainBatches(data, 5, rank, 2, seed=3, use_augment=False, device=cpu) for rank in range(2)]
+    epoch0 = [[y for _, y in s.epoch(0)] for s in shards]
+    seen = torch.cat([torch.cat(ys) for ys in epoch0])
+    assert sorted(seen.tolist()) == list(range(40))  # each sample once per epoch, across ranks
+    epoch1 = torch.cat([y for _, y in shards[0].epoch(1)])
+    assert not torch.equal(epoch1, torch.cat(epoch0[0]))  # set_epoch reshuffles
+    resumed = [y for _, y in shards[0].epoch(0, start=2)]
+    assert all(torch.equal(a, b) for a, b in zip(resumed, epoch0[0][2:])) and len(resumed) == 2
+
+
+def test_augmentation_depends_on_the_sample_not_on_the_batch_or_rank():
+    images = torch.arange(6 * 3 * 8 * 8, dtype=torch.uint8).view(6, 3, 8, 8)
+    indices = torch.tensor([10, 11, 12, 13, 14, 15])
+    whole = augment(images, indices, seed=0, epoch=2)
+    split = torch.cat([augment(images[:2], indices[:2], 0, 2), augment(images[2:], indices[2:], 0, 2)])
+    assert torch.equal(whole, split)
+    assert not torch.equal(whole, augment(images, indices, seed=0, epoch=3))  # a new epoch, new crops
+    assert not torch.equal(whole, images)
+    assert whole.shape == images.shape and whole.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("channels,size", [(1, 28), (3, 32)])
+def test_every_model_maps_images_to_class_logits(name, channels, size):
+    from train.data import DataSpec
+
+    model = build_model(ModelConfig(name=name, width=8, hidden=[16]), DataSpec(channels, size, 10))
+    assert model(torch.randn(2, channels, size, size)).shape == (2, 10)
+
+
+def test_resnet18_is_the_cifar_variant():
+    from train.data import DataSpec
+
+    model = build_model(ModelConfig(name="resnet18", width=64), DataSpec(3, 32, 10))
+    assert model.stem[0].kernel_size == (3, 3) and model.stem[0].stride == (1, 1)
+    assert not any(isinstance(m, torch.nn.MaxPool2d) for m in model.modules())
+    assert 11_000_000 < sum(p.numel() for p in model.parameters()) < 11_300_000  # ResNet-18's ~11.2M

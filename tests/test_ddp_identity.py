@@ -1,0 +1,107 @@
+"""The data-parallel identity the product rests on, and exact resume, through the real CLI with real processes.
+
+- 2 processes with batch B (or B/2 with 2 accumulation steps) reach the weights of 1 process with batch 2B.
+- Training 2N steps straight equals training N, stopping, and resuming for N more: bitwise, on CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAST, final_checkpoint, read_metrics
+from train.config import ModelConfig
+from train.data import DataSpec
+from train.models import build_model
+
+# SGD with momentum on an MLP without dropout or batch norm: nothing that depends on the per-rank batch.
+IDENTITY = [
+    *FAST,
+    "data=synthetic",
+    "data.num_samples=512",
+    "model=mlp",
+    "model.hidden=[64,32]",
+    "optim.lr=0.05",
+    "trainer.epochs=3",
+    "trainer.max_steps=24",  # 1.5 epochs: crosses an epoch boundary (reshuffle with set_epoch)
+    "trainer.eval_every=0",
+    "trainer.log_every=8",
+]
+
+
+@pytest.fixture(scope="module")
+def one_process_batch_32(tmp_path_factory):
+    from conftest import run_cli
+
+    tmp = tmp_path_factory.mktemp("single")
+    proc = run_cli("launcher", *IDENTITY, "trainer.procs_per_node=1", "data.batch_size=32", f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
+    assert proc.returncode == 0
+    return final_checkpoint(tmp / "run")
+
+
+@pytest.mark.parametrize("batch,accumulate", [(16, 1), (8, 2)])
+def test_two_processes_match_one_process_with_the_global_batch(launch, tmp_path, one_process_batch_32, batch, accumulate):
+    proc = launch(
+        *IDENTITY, "trainer.procs_per_node=2", f"data.batch_size={batch}", f"trainer.accumulate={accumulate}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert proc.returncode == 0
+    ddp = final_checkpoint(tmp_path / "run")
+    single = one_process_batch_32
+    assert ddp["step"] == single["step"] == 24
+    assert ddp["global_batch"] == single["global_batch"] == 32
+    for name, expected in single["model"].items():
+        torch.testing.assert_close(ddp["model"][name], expected, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
+
+    # Not vacuous: training moved the weights far beyond the tolerance from where they started.
+    torch.manual_seed(0)
+    initial = build_model(ModelConfig(name="mlp", hidden=[64, 32]), DataSpec(1, 16, 10)).state_dict()
+    assert max((initial[k] - ddp["model"][k]).abs().max().item() for k in initial) > 1e-2
+
+
+# AdamW, dropout, augmentation, gradient clipping, accumulation: every piece of state that resume must restore.
+RESUME = [
+    *FAST,
+    "trainer.procs_per_node=2",
+    "model.dropout=0.2",
+    "data.augment=true",
+    "data.batch_size=32",
+    "optim=adamw",
+    "optim.lr=0.003",
+    "optim.schedule.warmup_epochs=0.5",
+    "trainer.accumulate=2",
+    "trainer.grad_clip=1.0",
+    "trainer.epochs=4",
+    "trainer.log_every=3",
+]
+
+
+def test_resume_is_bitwise_exact(launch, tmp_path):
+    # 11 steps per epoch; stopping at 16 leaves the first half in the middle of epoch 2.
+    straight = launch(*RESUME, "trainer.max_steps=32", f"hydra.run.dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0
+    first = launch(*RESUME, "trainer.max_steps=16", f"hydra.run.dir={tmp_path / 'split'}")
+    assert first.returncode == 0
+    half = final_checkpoint(tmp_path / "split")
+    assert (half["step"], half["epoch"], half["step_in_epoch"]) == (16, 1, 5)
+    second = launch(*RESUME, "trainer.max_steps=32", f"hydra.run.dir={tmp_path / 'split'}")
+    assert second.returncode == 0
+    assert "resumed at step 16" in second.stdout
+
+    a, b = final_checkpoint(tmp_path / "straight"), final_checkpoint(tmp_path / "split")
+    assert a["step"] == b["step"] == 32
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs after resume"
+    for pid, state in a["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, b["optimizer"]["state"][pid][key]), f"optimizer state {pid}.{key} differs"
+    for rank in range(2):
+        assert torch.equal(a["rng"][rank]["torch"], b["rng"][rank]["torch"])
+
+    # The logs continue where they stopped: no step repeated or lost, and the same numbers as straight through.
+    straight_log, split_log = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
+    train_steps = [r["step"] for r in split_log if r["kind"] == "train"]
+    assert train_steps == sorted(set(train_steps)) == list(range(3, 33, 3))
+    straight_evals = [(r["step"], r["loss"]) for r in straight_log if r["kind"] == "eval"]
+    split_evals = [(r["step"], r["loss"]) for r in split_log if r["kind"] == "eval" and r["step"] != 16]
+    assert split_evals == straight_evals  # epoch-end evaluations at 11, 22 and the final one at 32

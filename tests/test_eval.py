@@ -1,0 +1,71 @@
+"""Exact distributed evaluation: a data set whose size does not divide by the world size is evaluated by real
+gloo processes and must give exactly the single-process numbers (DistributedSampler's padding would not)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
+
+from train.data import TensorData
+from train.dist import DistEnv
+from train.evaluate import evaluate
+
+N = 101  # prime: no world size above 1 divides it
+
+
+def make_case():
+    g = torch.Generator().manual_seed(0)
+    data = TensorData(torch.randn(N, 1, 4, 4, generator=g), torch.randint(3, (N,), generator=g), (0.0,), (1.0,))
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3), torch.nn.BatchNorm1d(3))
+    model.eval()(torch.randn(8, 1, 4, 4))  # non-trivial BatchNorm running statistics
+    return data, model
+
+
+def reference() -> dict[str, float]:
+    data, model = make_case()
+    with torch.no_grad():
+        logits = model.eval()(data.normalize(data.images))
+    return {
+        "loss": F.cross_entropy(logits, data.labels, reduction="sum").item() / N,
+        "acc": (logits.argmax(1) == data.labels).sum().item() / N,
+        "samples": N,
+    }
+
+
+def _worker(rank: int, world: int, store_path: str, out: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        data, model = make_case()
+        if rank != 0:  # rank 0's buffers are the truth; evaluate() must broadcast them
+            for buffer in model.buffers():
+                buffer.add_(7)
+        env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
+        out[rank] = evaluate(model, data, batch_size=16, env=env, device=torch.device("cpu"), autocast=contextlib.nullcontext)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_distributed_eval_equals_single_process_eval(tmp_path, world):
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_worker, args=(world, str(tmp_path / "store"), out), nprocs=world, join=True)
+        results = dict(out)
+    expected = reference()
+    for rank in range(world):
+        assert results[rank]["samples"] == N  # every sample counted exactly once
+        assert results[rank]["acc"] == expected["acc"]
+        assert results[rank]["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+
+
+def test_a_padded_sampler_would_have_counted_samples_twice():
+    """Why the above matters: DistributedSampler pads 101 samples to 102 on 2 ranks."""
+    total = sum(len(DistributedSampler(range(N), num_replicas=2, rank=r, shuffle=False)) for r in range(2))
+    assert total == N + 1

@@ -1,0 +1,71 @@
+"""The plan derived from config and world size: global batch, linear lr scaling, and an lr schedule defined in
+epochs, so changing the world size does not change the schedule over the data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.config import TrainConfig
+from train.optim import build_optimizer, build_scheduler, make_plan
+
+
+def config(**trainer) -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.data.batch_size = 32
+    cfg.trainer.epochs = 10
+    for key, value in trainer.items():
+        setattr(cfg.trainer, key, value)
+    return cfg
+
+
+def test_global_batch_and_linear_lr_scaling():
+    cfg = config(accumulate=2)
+    cfg.optim.lr, cfg.optim.scale_lr, cfg.optim.reference_batch_size = 0.1, True, 256
+    plan = make_plan(cfg, world_size=4, train_size=10_000)
+    assert plan.global_batch == 32 * 4 * 2
+    assert plan.lr == pytest.approx(0.1 * 256 / 256)
+    assert make_plan(cfg, world_size=8, train_size=10_000).lr == pytest.approx(0.2)
+    cfg.optim.scale_lr = False
+    assert make_plan(cfg, world_size=8, train_size=10_000).lr == 0.1
+
+
+def test_warmup_and_schedule_are_in_epochs_whatever_the_world_size():
+    cfg = config()
+    cfg.optim.schedule.warmup_epochs = 2
+    small, large = make_plan(cfg, 1, 6400), make_plan(cfg, 4, 6400)
+    assert (small.steps_per_epoch, large.steps_per_epoch) == (200, 50)
+    assert (small.warmup_steps, large.warmup_steps) == (400, 100)
+    assert (small.total_steps, large.total_steps) == (2000, 500)
+
+    def lr_at_epoch(plan, epoch):
+        optimizer = build_optimizer(cfg.optim, torch.nn.Linear(2, 2), plan.lr)
+        scheduler = build_scheduler(optimizer, cfg.optim.schedule, plan)
+        for _ in range(round(epoch * plan.steps_per_epoch)):
+            optimizer.step()
+            scheduler.step()
+        return scheduler.get_last_lr()[0]
+
+    for epoch in (1, 2, 5, 9.5):
+        assert lr_at_epoch(small, epoch) == pytest.approx(lr_at_epoch(large, epoch), rel=0.02)
+    assert lr_at_epoch(small, 1) == pytest.approx(cfg.optim.lr * 201 / 400)  # halfway through warmup
+    assert lr_at_epoch(large, 9.99) < 0.01 * cfg.optim.lr  # cosine ends near zero
+
+
+def test_step_schedule_drops_at_milestones():
+    cfg = config()
+    cfg.optim.schedule.name, cfg.optim.schedule.milestones, cfg.optim.schedule.gamma = "step", [3.0, 6.0], 0.1
+    plan = make_plan(cfg, 2, 640)
+    factor = build_scheduler(build_optimizer(cfg.optim, torch.nn.Linear(2, 2), 1.0), cfg.optim.schedule, plan).lr_lambdas[0]
+    spe = plan.steps_per_epoch
+    assert [factor(0), factor(3 * spe - 1), factor(3 * spe), factor(6 * spe)] == pytest.approx([1, 1, 0.1, 0.01])
+
+
+def test_max_steps_stops_early_without_changing_the_schedule():
+    plan = make_plan(config(max_steps=7), 1, 6400)
+    assert (plan.stop_step, plan.total_steps) == (7, 2000)
+
+
+def test_a_batch_larger_than_a_rank_share_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="lower data.batch_size or trainer.accumulate"):
+        make_plan(config(), world_size=8, train_size=100)
