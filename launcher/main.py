@@ -6,7 +6,6 @@ Hydra runs here and only here. Workers never re-enter `@hydra.main`: they read R
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from launcher.local import launch_local
@@ -66,10 +66,12 @@ def main(cfg: DictConfig) -> None:
     if typed.launcher.dry_run:
         print(f"dry run: nothing started. Run one rank by hand with: python -m train {snapshot}")
         return
-    # torch.distributed.elastic logs every agent step at INFO; the launcher's own log file keeps them.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     try:
         launch_local(typed, run_dir, snapshot)
     except ChildFailedError as error:
         print(f"error: training failed.\n{error.format_msg()}", file=sys.stderr)
         sys.exit(1)
+    except SignalException as error:
+        print(f"stopped by {error.sigval.name}; the workers were stopped. Run the same command again to resume "
+              f"from the last checkpoint in {run_dir}.", file=sys.stderr)
+        sys.exit(128 + error.sigval.value)

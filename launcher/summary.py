@@ -12,6 +12,9 @@ from train.dist import resolve_backend
 from train.optim import global_batch_size, scaled_lr
 
 
+SOURCES = {"digits": "(bundled with scikit-learn)", "synthetic": "(generated in memory)"}
+
+
 def _devices(cfg: Config) -> str:
     if cfg.trainer.gpus > 0:
         return f"cuda:0..{cfg.trainer.gpus - 1} on each node (one GPU per process)"
@@ -35,7 +38,7 @@ def summary(cfg: Config, run_dir: Path, changed: list[str]) -> str:
         ("world", f"{world} processes = {t.nodes} node(s) x {procs_per_node(cfg)}, backend {resolve_backend(t.backend, t.gpus)}"),
         ("devices", _devices(cfg)),
         ("model", f"{cfg.model.name} (width {cfg.model.width})" if cfg.model.name != "mlp" else f"mlp {cfg.model.hidden}"),
-        ("data", f"{cfg.data.name} from {cfg.data.root}"),
+        ("data", f"{cfg.data.name} {SOURCES.get(cfg.data.name, f'from {cfg.data.root}')}"),
         ("batch", f"{cfg.data.batch_size} per process x {world} processes x {t.accumulate} accumulation = global batch {batch}"),
         ("optim", f"{o.name}, lr {lr:.4g}{lr_note}, warmup {o.schedule.warmup_epochs:g} epoch(s), "
                   f"{o.schedule.name} schedule over {t.epochs} epochs, precision {t.precision}"),

@@ -13,6 +13,8 @@ from train.dist import DistEnv
 def _format(values: dict[str, float]) -> str:
     parts = []
     for key, value in values.items():
+        if key == "epoch":
+            continue  # shown on its own
         if key == "lr":
             parts.append(f"lr {value:.3g}")
         elif key == "samples_per_s":

@@ -133,7 +133,11 @@ def fit(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device) -> 
             progress.step += 1
             console.advance(progress.step)
             if progress.step % cfg.trainer.log_every == 0:
-                values = {**meter.reduce(plan.global_batch), "lr": scheduler.get_last_lr()[0]}
+                values = {
+                    **meter.reduce(plan.global_batch),
+                    "lr": scheduler.get_last_lr()[0],
+                    "epoch": progress.step / plan.steps_per_epoch,
+                }
                 metrics.log("train", progress.step, values)
                 console.show(progress.step, epoch, values)
             if ckpt.due(progress.step):
