@@ -3,9 +3,9 @@
 Each worker is `python -m train RUN_DIR/config.yaml` with the env:// variables set by the agent: exactly what a
 user gets from `torchrun -m train RUN_DIR/config.yaml`, so there is one training code path.
 
-Ports: on one node the rendezvous listens on port 0 (the OS picks a free one and the agent keeps it open, and
-workers reuse the agent's store), so two runs at once never clash and nothing races for a "free" port. On several
-nodes every node runs the same command with launcher.rdzv_endpoint=HOST:PORT of the first node.
+Ports: on one node the rendezvous listens on port 0 (the OS picks a free one and the agent holds it), and the
+workers' MASTER_PORT is picked by the agent per attempt, so two runs at once do not clash. On several nodes every
+node runs the same command with launcher.rdzv_endpoint=HOST:PORT of the first node.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.launcher.api import LaunchConfig
 
+from launcher.agent import run_agent
 from launcher.schema import Config
 
 
@@ -34,17 +35,17 @@ def rendezvous_id(cfg: Config, run_dir: Path) -> str:
 
 
 def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
-    multi_node = cfg.trainer.nodes > 1
     return LaunchConfig(
         min_nodes=cfg.trainer.nodes,
         max_nodes=cfg.trainer.nodes,
         nproc_per_node=procs_per_node(cfg),
         run_id=rendezvous_id(cfg, run_dir),
         rdzv_backend="c10d",
-        rdzv_endpoint=cfg.launcher.rdzv_endpoint if multi_node else "localhost:0",
+        rdzv_endpoint=cfg.launcher.rdzv_endpoint or "localhost:0",
         rdzv_configs={"timeout": cfg.launcher.rdzv_timeout_s},
         max_restarts=cfg.launcher.max_restarts,
         monitor_interval=cfg.launcher.monitor_interval_s,
+        shutdown_timeout=cfg.launcher.shutdown_timeout_s,
         # Where the agent keeps each attempt's error files (a failed rank's traceback); stdout stays on the console.
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
     )
@@ -52,4 +53,4 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
 
 def launch_local(cfg: Config, run_dir: Path, snapshot: Path) -> None:
     """Run the workers to completion; raises ChildFailedError (with the failing rank's traceback) on failure."""
-    elastic_launch(launch_config(cfg, run_dir), sys.executable)("-u", "-m", "train", str(snapshot))
+    run_agent(launch_config(cfg, run_dir), sys.executable, ["-u", "-m", "train", str(snapshot)])

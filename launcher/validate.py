@@ -6,6 +6,8 @@ fixes a bad command in one round instead of watching N ranks crash (or hang) one
 
 from __future__ import annotations
 
+import signal
+import socket
 from pathlib import Path
 
 import torch
@@ -88,6 +90,40 @@ def _check_world(cfg: Config, problems: list[str], cuda_devices: int) -> None:
         )
 
 
+def _is_local_address(host: str) -> bool:
+    try:
+        address = socket.gethostbyname(host)
+        with socket.socket() as probe:
+            probe.bind((address, 0))  # only addresses of this machine can be bound
+        return True
+    except OSError:
+        return False
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous store binds
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def _check_endpoint(cfg: Config, problems: list[str]) -> None:
+    endpoint = cfg.launcher.rdzv_endpoint
+    if not endpoint:
+        return
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        problems.append(f"launcher.rdzv_endpoint={endpoint!r} is not HOST:PORT, e.g. node0:29400.")
+    elif _is_local_address(host) and _port_in_use(int(port)):
+        problems.append(
+            f"launcher.rdzv_endpoint={endpoint}: port {port} is already in use on this machine, which hosts the "
+            f"rendezvous (another run, or another program): pick a free port and use it on every node."
+        )
+
+
 def _check_training(cfg: Config, problems: list[str]) -> None:
     t, d, o = cfg.trainer, cfg.data, cfg.optim
     _at_least(problems, "data.batch_size", d.batch_size, 1, "it is the batch per process")
@@ -99,6 +135,10 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
     _at_least(problems, "trainer.grad_clip", t.grad_clip, 0.0, "0 disables clipping")
     _at_least(problems, "trainer.threads", t.threads, 0, "0 picks cores / local processes")
     _at_least(problems, "trainer.timeout_s", t.timeout_s, 1)
+    _at_least(problems, "trainer.hang_timeout_s", t.hang_timeout_s, 0, "0 disables hang detection")
+    unknown = [name for name in t.stop_signals if name not in signal.Signals.__members__]
+    if unknown:
+        problems.append(f"trainer.stop_signals={t.stop_signals}: {', '.join(unknown)} is not a signal name (e.g. SIGTERM, SIGUSR2).")
     _choice(problems, "trainer.progress", t.progress, PROGRESS_MODES)
     _choice(problems, "model.name", cfg.model.name, sorted(MODELS))
     _choice(problems, "optim.name", o.name, OPTIMIZERS)
@@ -130,6 +170,7 @@ def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> Non
     """Raise ConfigError listing every problem with `cfg` (and its data and run directory)."""
     problems: list[str] = []
     _check_world(cfg, problems, torch.cuda.device_count() if cuda_devices is None else cuda_devices)
+    _check_endpoint(cfg, problems)
     _check_training(cfg, problems)
     _check_files(cfg, run_dir, problems)
     if problems:

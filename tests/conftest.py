@@ -14,6 +14,15 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf"
 
+FAULTS_DIR = Path(__file__).resolve().parent / "faults"
+
+
+def fault_env(kind: str, rank: int, step: int = 0) -> dict:
+    """Environment that makes rank `rank` fail as `kind` in the first attempt (see tests/faults/sitecustomize.py)."""
+    path = os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "FAULT": kind, "FAULT_RANK": str(rank), "FAULT_STEP": str(step)}
+
+
 # Small, fast settings for runs that check mechanics rather than accuracy.
 FAST = ["trainer.progress=lines", "trainer.threads=1"]
 
@@ -36,8 +45,8 @@ def run_cli(module: str, *args: str, cwd: Path, timeout: float = 300, env: dict 
 def launch(tmp_path):
     """Run `python -m launcher` with the given overrides in a scratch working directory."""
 
-    def _launch(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return run_cli("launcher", *overrides, cwd=tmp_path, timeout=timeout)
+    def _launch(*overrides: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+        return run_cli("launcher", *overrides, cwd=tmp_path, timeout=timeout, env=env)
 
     return _launch
 

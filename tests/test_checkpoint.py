@@ -13,35 +13,37 @@ import pytest
 import torch
 
 from conftest import FAST, REPO
-from train.checkpoint import BEST, CheckpointManager, load, refuse_fresh_start_over, step_file_name
+from train.checkpoint import BEST, CheckpointManager, CheckpointSaveError, load, refuse_fresh_start_over, step_file_name
 from train.config import CheckpointConfig
 
 SMALL = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=2", "trainer.epochs=2"]
 
-# A child process that starts saving `step_99999999.pt` and, halfway through the bytes, stops for good.
+# A child process that starts writing `step_99999999.pt` and, halfway through the bytes, stops for good.
 KILLED_SAVE = textwrap.dedent(
     """
-    import io, sys
+    import builtins, sys
     from pathlib import Path
-    import torch
-    from train.checkpoint import load, write_atomic
+    import train.checkpoint as checkpoint
 
     directory = Path(sys.argv[1])
-    state = load(sorted(directory.glob("step_*.pt"))[-1])
+    state = checkpoint.load(sorted(directory.glob("step_*.pt"))[-1])
     state["step"] = 99999999
-    real_save = torch.save
 
-    def save_half_then_stall(obj, f):
-        buffer = io.BytesIO()
-        real_save(obj, buffer)
-        data = buffer.getvalue()
-        f.write(data[: len(data) // 2])
-        f.flush()
-        print("HALFWAY", flush=True)
-        sys.stdin.read()  # never returns: the parent kills us here
+    class StallHalfway:
+        def __init__(self, path, mode):
+            self.file = builtins.open(path, mode)
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            self.file.close()
+        def write(self, data):
+            self.file.write(data[: len(data) // 2])
+            self.file.flush()
+            print("HALFWAY", flush=True)
+            sys.stdin.read()  # never returns: the parent kills us here
 
-    torch.save = save_half_then_stall
-    write_atomic(state, directory / "step_99999999.pt")
+    checkpoint.open = StallHalfway  # write_atomic's open(): only the checkpoint bytes stall
+    checkpoint.write_atomic(state, directory / "step_99999999.pt")
     """
 )
 
@@ -122,7 +124,7 @@ def test_a_checkpoint_carrying_an_executable_pickle_is_refused(tmp_path):
     state = fake_state(5)
     state["config"] = Payload()
     torch.save(state, tmp_path / step_file_name(5))
-    with pytest.raises(Exception, match="Weights only load failed"):
+    with pytest.raises(ValueError, match="refused: .*pickled objects, which can run arbitrary code"):
         load(tmp_path / step_file_name(5))
     path, _ = CheckpointManager(tmp_path, CheckpointConfig(), is_writer=True).newest_loadable()
     assert path is None  # never executed, never resumed from
@@ -132,3 +134,55 @@ def test_fresh_start_over_old_checkpoints_is_refused(tmp_path):
     CheckpointManager(tmp_path / "checkpoints", CheckpointConfig(), is_writer=True).save(fake_state(7), 7)
     with pytest.raises(FileExistsError, match="checkpoint.resume=false.*hydra.run.dir"):
         refuse_fresh_start_over(tmp_path)
+
+
+def test_a_bit_flip_is_caught_by_the_checksum(tmp_path, caplog):
+    manager = CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True)
+    manager.save(fake_state(1), 1)
+    manager.save(fake_state(2), 2)
+    newest = tmp_path / step_file_name(2)
+    data = bytearray(newest.read_bytes())
+    data[-200] ^= 0xFF  # still a readable zip, so torch.load alone might not notice
+    newest.write_bytes(bytes(data))
+    assert (tmp_path / f"{step_file_name(2)}.sha256").read_text().endswith(f"  {step_file_name(2)}\n")  # sha256sum -c format
+    with pytest.raises(ValueError, match="corrupted: its sha256"):
+        load(newest)
+    with caplog.at_level(logging.WARNING):
+        path, state = CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True).newest_loadable()
+    assert state["step"] == 1 and "corrupted" in caplog.text
+
+
+FULL_DISK = textwrap.dedent(
+    """
+    import resource, signal, sys
+    from pathlib import Path
+    import torch
+    from train.checkpoint import CheckpointManager, CheckpointSaveError
+    from train.config import CheckpointConfig
+
+    directory = Path(sys.argv[1])
+    manager = CheckpointManager(directory, CheckpointConfig(keep_last=1), is_writer=True)
+    state = {"model": {"w": torch.zeros(1000)}, "optimizer": {}, "scheduler": {}, "step": 1, "epoch": 0,
+             "step_in_epoch": 1, "rng": [], "config": {}}
+    manager.save(state, 1)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over the limit, write() fails with EFBIG instead of killing us
+    resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))  # the disk is "full" beyond 50 kB per file
+    state["model"]["w"] = torch.ones(100_000)
+    state["step"] = 2
+    try:
+        manager.save(state, 2)
+    except CheckpointSaveError as error:
+        print(error)
+        sys.exit(3)
+    """
+)
+
+
+def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    print(proc.stdout, proc.stderr)
+    assert proc.returncode == 3
+    assert "could not save" in proc.stdout and "File too large" in proc.stdout
+    assert f"The previous checkpoint ({step_file_name(1)}) is intact" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_file_name(1), f"{step_file_name(1)}.sha256"]
+    assert load(tmp_path / step_file_name(1))["step"] == 1

@@ -42,7 +42,9 @@ def augment(images: torch.Tensor, indices: torch.Tensor, seed: int, epoch: int, 
     cols = dx[:, None] + torch.arange(w)
     cols = torch.where(flip[:, None], cols.flip(1), cols)[:, None, :]  # (n, 1, w)
     batch = torch.arange(n)[:, None, None]
-    return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2).contiguous()
+    crops = padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2)
+    # An explicit layout: .contiguous() keeps odd strides on size-1 dims, which DDP then warns about per step.
+    return crops.clone(memory_format=torch.contiguous_format)
 
 
 class TrainBatches:

@@ -13,8 +13,11 @@ from train.dist import DistEnv
 def _format(values: dict[str, float]) -> str:
     parts = []
     for key, value in values.items():
-        if key == "epoch":
-            continue  # shown on its own
+        if key == "epoch" or (key == "restarts" and not value):
+            continue  # the epoch is shown on its own; restarts only once there were some
+        if key == "restarts":
+            parts.append(f"restarts {value:.0f}")
+            continue
         if key == "lr":
             parts.append(f"lr {value:.3g}")
         elif key == "samples_per_s":

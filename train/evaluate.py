@@ -9,6 +9,8 @@ collective calls (one broadcast per buffer, one all_reduce).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -27,7 +29,13 @@ def sync_buffers(model: nn.Module) -> None:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, data: TensorData, batch_size: int, env: DistEnv, device: torch.device, autocast
+    model: nn.Module,
+    data: TensorData,
+    batch_size: int,
+    env: DistEnv,
+    device: torch.device,
+    autocast,
+    heartbeat: Callable[[], None] = lambda: None,
 ) -> dict[str, float]:
     sync_buffers(model)
     model.eval()
@@ -38,6 +46,7 @@ def evaluate(
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += labels.numel()
+        heartbeat()
     model.train()
     dist.all_reduce(totals)
     loss, correct, count = totals.tolist()

@@ -1,13 +1,15 @@
 """One rank of a training run: `python -m train RUN_DIR/config.yaml`, under the launcher or plain torchrun.
 
-`main` sets the process up from the env:// variables; `fit` builds the parts and runs the loop. The run directory
-is the directory of the config snapshot: checkpoints, TensorBoard files and metrics go next to it.
+`main` sets the process up from the env:// variables; `build` assembles the parts; `fit` is the loop. The run
+directory is the directory of the config snapshot: checkpoints, TensorBoard files and metrics go next to it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,14 +20,16 @@ from train.batches import TrainBatches
 from train.checkpoint import CheckpointManager, checkpoint_dir, load, refuse_fresh_start_over
 from train.config import TrainConfig, load_config, to_dict
 from train.console import build_console
-from train.data import build_datasets
+from train.data import Datasets, build_datasets
 from train.dist import DistEnv
 from train.evaluate import evaluate
 from train.metrics import build_metrics
 from train.models import build_model
-from train.optim import build_optimizer, build_scheduler, make_plan
+from train.optim import Plan, build_optimizer, build_scheduler, make_plan
 from train.state import Progress, build_state, gather_rng, restore_state, seed_rank
 from train.step import Meter, build_autocast, train_step
+from train.stopping import StopRequest
+from train.watchdog import Watchdog
 
 log = logging.getLogger("train")
 
@@ -45,16 +49,33 @@ def main(config_path: str | Path) -> dict[str, float]:
     backend = distributed.resolve_backend(cfg.trainer.backend, cfg.trainer.gpus)
     distributed.init_process_group(env, backend, device, cfg.trainer.timeout_s)
     try:
-        return fit(cfg, config_path.parent, env, device)
+        return fit(build(cfg, config_path.parent, env, device))
     finally:
         distributed.cleanup()
 
 
-def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+@dataclass
+class Run:
+    """Everything the loop touches, built once."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    env: DistEnv
+    device: torch.device
+    data: Datasets
+    plan: Plan
+    model: torch.nn.Module  # the plain model: evaluation, checkpoints
+    ddp: DistributedDataParallel  # the same parameters, wrapped: training steps
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    autocast: object
+    ckpt: CheckpointManager
+    progress: Progress
+    resumed: bool
 
 
-def resume(ckpt: CheckpointManager, env: DistEnv) -> dict | None:
+def resume_state(ckpt: CheckpointManager, env: DistEnv) -> dict | None:
     """Rank 0 picks the newest checkpoint that loads; every rank then loads that same file."""
     chosen: list = [None]
     state = None
@@ -70,94 +91,125 @@ def resume(ckpt: CheckpointManager, env: DistEnv) -> dict | None:
     return state if env.is_main else load(Path(chosen[0]))
 
 
-def fit(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device) -> dict[str, float]:
+def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device) -> Run:
     data = build_datasets(cfg.data)
     plan = make_plan(cfg, env.world_size, len(data.train))
     torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank
     model = build_model(cfg.model, data.spec).to(device)
-    ddp = wrap_ddp(model, device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = build_optimizer(cfg.optim, model, plan.lr)
     scheduler = build_scheduler(optimizer, cfg.optim.schedule, plan)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.trainer.precision == "fp16")
-    autocast = build_autocast(cfg.trainer.precision, device)
     seed_rank(cfg.trainer.seed + env.rank)  # per-rank randomness (dropout) differs between ranks
 
     ckpt = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint, is_writer=env.is_main)
     progress = Progress()
-    restored = resume(ckpt, env)
-    if restored is not None:
+    state = resume_state(ckpt, env)
+    if state is not None:
         parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, plan=plan, env=env)
-        progress = restore_state(restored, **parts)
+        progress = restore_state(state, **parts)
         ckpt.saved_step = progress.step
+    return Run(
+        cfg, run_dir, env, device, data, plan, model, ddp, optimizer, scheduler, scaler,
+        build_autocast(cfg.trainer.precision, device), ckpt, progress, resumed=state is not None,
+    )
 
-    console = build_console(env, cfg.trainer.progress, plan.stop_step, progress.step)
-    metrics = build_metrics(env, run_dir, progress.step, hparams={**to_dict(cfg), "plan": plan.to_dict()})
-    if env.is_main:
-        (run_dir / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
-    console.print(
+
+def save_checkpoint(run: Run, is_best: bool = False) -> None:
+    """Every rank takes part (the RNG gather is a collective); only rank 0 writes."""
+    if run.ckpt.saved_step != run.progress.step:
+        state = build_state(
+            model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
+            progress=run.progress, plan=run.plan, rng=gather_rng(run.env), config=to_dict(run.cfg),
+        )
+        run.ckpt.save(state, run.progress.step)
+    if is_best:
+        run.ckpt.mark_best(run.progress.step)
+
+
+def describe_plan(run: Run) -> str:
+    cfg, plan = run.cfg, run.plan
+    text = (
         f"plan: {plan.world_size} processes, global batch {plan.global_batch} "
         f"({cfg.data.batch_size} x {plan.world_size} x {cfg.trainer.accumulate} accumulation), lr {plan.lr:.4g}, "
         f"warmup {plan.warmup_steps} steps, {plan.steps_per_epoch} steps/epoch x {cfg.trainer.epochs} epochs = "
-        f"{plan.total_steps} steps" + (f", stopping at step {plan.stop_step}" if plan.stop_step < plan.total_steps else "")
-        + (f"; resumed at step {progress.step}" if restored is not None else "")
+        f"{plan.total_steps} steps"
     )
+    if plan.stop_step < plan.total_steps:
+        text += f", stopping at step {plan.stop_step}"
+    if run.resumed:
+        text += f"; resumed at step {run.progress.step}"
+    return text
 
-    def save_checkpoint(is_best: bool = False) -> None:
-        # Every rank takes part (the RNG gather is a collective); only rank 0 writes.
-        if ckpt.saved_step != progress.step:
-            state = build_state(
-                model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, progress=progress,
-                plan=plan, rng=gather_rng(env), config=to_dict(cfg),
-            )
-            ckpt.save(state, progress.step)
-        if is_best:
-            ckpt.mark_best(progress.step)
 
-    def run_eval() -> dict[str, float]:
-        result = evaluate(model, data.eval, cfg.data.eval_batch_size, env, device, autocast)
-        epoch = progress.step / plan.steps_per_epoch
-        metrics.log("eval", progress.step, {"loss": result["loss"], "acc": result["acc"], "epoch": epoch})
-        console.show_eval(progress.step, int(epoch), {"loss": result["loss"], "acc": result["acc"]})
-        return result
-
-    result: dict[str, float] = {}
+def fit(run: Run) -> dict[str, float]:
+    cfg, plan, progress, env = run.cfg, run.plan, run.progress, run.env
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    console = build_console(env, cfg.trainer.progress, plan.stop_step, progress.step)
+    metrics = build_metrics(env, run.run_dir, progress.step, hparams={**to_dict(cfg), "plan": plan.to_dict()})
+    if env.is_main:
+        (run.run_dir / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+    console.print(describe_plan(run))
+    stop = StopRequest(cfg.trainer.stop_signals)
+    watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s)
     batches = TrainBatches(
-        data.train, cfg.data.batch_size, env.rank, env.world_size, cfg.trainer.seed, cfg.data.augment, device
+        run.data.train, cfg.data.batch_size, env.rank, env.world_size, cfg.trainer.seed, cfg.data.augment, run.device
     )
-    meter = Meter(device)
-    while progress.step < plan.stop_step:
+    meter = Meter(run.device)
+    result: dict[str, float] = {}
+    stopped = False
+
+    while progress.step < plan.stop_step and not stopped:
         epoch, offset = divmod(progress.step, plan.steps_per_epoch)
         micro_batches = batches.epoch(epoch, start=offset * cfg.trainer.accumulate)
         for _ in range(offset, plan.steps_per_epoch):
-            train_step(ddp, micro_batches, optimizer, scheduler, scaler, autocast, cfg.trainer, meter)
+            train_step(run.ddp, micro_batches, run.optimizer, run.scheduler, run.scaler, run.autocast, cfg.trainer, meter)
             progress.step += 1
+            watchdog.beat(progress.step)
             console.advance(progress.step)
             if progress.step % cfg.trainer.log_every == 0:
                 values = {
                     **meter.reduce(plan.global_batch),
-                    "lr": scheduler.get_last_lr()[0],
+                    "lr": run.scheduler.get_last_lr()[0],
                     "epoch": progress.step / plan.steps_per_epoch,
+                    "restarts": restarts,
                 }
                 metrics.log("train", progress.step, values)
                 console.show(progress.step, epoch, values)
-            if ckpt.due(progress.step):
-                save_checkpoint()
+            if run.ckpt.due(progress.step):
+                watchdog.beat(progress.step, "saving a checkpoint")
+                save_checkpoint(run)
                 meter.restart_clock()
             if progress.step >= plan.stop_step:
                 break
+            if stop.agreed():
+                watchdog.beat(progress.step, "saving a checkpoint before stopping")
+                save_checkpoint(run)
+                stopped = True
+                break
 
-        finished = progress.step >= plan.stop_step
         epoch_done = progress.step % plan.steps_per_epoch == 0
         eval_due = cfg.trainer.eval_every > 0 and (epoch + 1) % cfg.trainer.eval_every == 0
-        if finished or (epoch_done and eval_due):
-            result = run_eval()
+        if not stopped and (progress.step >= plan.stop_step or (epoch_done and eval_due)):
+            result = evaluate(
+                run.model, run.data.eval, cfg.data.eval_batch_size, env, run.device, run.autocast,
+                heartbeat=lambda: watchdog.beat(progress.step, "evaluating"),
+            )
+            epoch_float = progress.step / plan.steps_per_epoch
+            metrics.log("eval", progress.step, {"loss": result["loss"], "acc": result["acc"], "epoch": epoch_float})
+            console.show_eval(progress.step, int(epoch_float), {"loss": result["loss"], "acc": result["acc"]})
             is_best = result["acc"] > progress.best_acc
             progress.best_acc = max(progress.best_acc, result["acc"])
-            save_checkpoint(is_best)
+            watchdog.beat(progress.step, "saving a checkpoint")
+            save_checkpoint(run, is_best)
             meter.restart_clock()
 
+    stop.close()
+    watchdog.close()
     console.close()
     metrics.close()
-    if not result:
+    if stopped:
+        console.print(f"stopped at step {progress.step} with a checkpoint; run the same command again to resume")
+    elif not result:
         console.print(f"nothing to do: the run already reached step {progress.step} of {plan.stop_step}")
     return result

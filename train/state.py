@@ -6,7 +6,9 @@ rank's own entry, so a resumed run draws the same random numbers (dropout, ...) 
 
 from __future__ import annotations
 
+import logging
 import random
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +20,8 @@ from train.dist import DistEnv
 from train.optim import Plan
 
 FORMAT_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,16 +109,33 @@ def restore_state(
     plan: Plan,
     env: DistEnv,
 ) -> Progress:
-    if state["world_size"] != plan.world_size or state["global_batch"] != plan.global_batch:
-        raise RuntimeError(
-            f"the checkpoint was written by {state['world_size']} processes with a global batch of "
-            f"{state['global_batch']}; this run has {plan.world_size} processes and a global batch of "
-            f"{plan.global_batch}. Resuming at a different world size or batch is not supported: use the same "
-            f"trainer.nodes/gpus/procs_per_node and data.batch_size, or start a new run directory (hydra.run.dir=...)."
-        )
+    """Put a checkpoint back. Same world size and global batch: exactly where it stopped, RNG included.
+
+    Otherwise training continues from the same sample of the same epoch (the global sample order does not
+    depend on the world size) with the new plan's lr and schedule; each rank that existed before gets its RNG
+    back, new ranks keep their fresh seeds. Exact to floating-point reordering when the global batch is
+    unchanged; not bitwise (per-rank random streams are regrouped).
+    """
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
-    restore_rng(state["rng"][env.rank])
-    return Progress(step=state["step"], best_acc=state["best_acc"])
+    if env.rank < len(state["rng"]):
+        restore_rng(state["rng"][env.rank])
+    if state["world_size"] == plan.world_size and state["global_batch"] == plan.global_batch:
+        scheduler.load_state_dict(state["scheduler"])
+        return Progress(step=state["step"], best_acc=state["best_acc"])
+
+    samples = state["step_in_epoch"] * state["global_batch"]
+    step_in_epoch = min(samples // plan.global_batch, plan.steps_per_epoch)
+    step = state["epoch"] * plan.steps_per_epoch + step_in_epoch
+    log.warning(
+        "resuming a checkpoint of world size %d (global batch %d) at world size %d (global batch %d): epoch %d, "
+        "sample %d of the epoch -> step %d%s",
+        state["world_size"], state["global_batch"], plan.world_size, plan.global_batch, state["epoch"], samples, step,
+        f" ({samples - step_in_epoch * plan.global_batch} samples of the epoch are seen again)" if samples % plan.global_batch else "",
+    )
+    scheduler.last_epoch = step - 1
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended, we only set the lr
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
+    return Progress(step=step, best_acc=state["best_acc"])

@@ -1,0 +1,149 @@
+"""Fault tolerance with real processes: killed ranks, signals to the launcher, hangs, bad ranks, taken ports, and
+resuming at another world size. Faults are injected by tests/faults/sitecustomize.py (real SIGKILLs, real hangs)."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import FAST, final_checkpoint, fault_env, read_metrics, run_cli
+from test_ddp_identity import IDENTITY, RESUME
+
+# Every piece of resumable state is in play (AdamW, dropout, augmentation, accumulation, clipping).
+FAULTY = [*RESUME, "trainer.max_steps=32", "checkpoint.every_steps=4", "launcher.max_restarts=2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    proc = run_cli("launcher", *FAULTY, f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
+    assert proc.returncode == 0
+    return final_checkpoint(tmp / "run")
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(launch, tmp_path, uninterrupted, seed):
+    rng = random.Random(seed)
+    rank, step = rng.randrange(2), rng.randint(2, 30)
+    run_dir = tmp_path / "run"
+    proc = launch(*FAULTY, f"hydra.run.dir={run_dir}", env=fault_env("kill", rank, step))
+    assert proc.returncode == 0
+    assert f"rank {rank} failed, killed by SIGKILL" in proc.stderr  # the cause, before the restart
+    assert "restarting the workers (restart 1 of 2)" in proc.stderr
+    assert_same_weights(final_checkpoint(run_dir), uninterrupted)
+
+    records = read_metrics(run_dir)
+    train_steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert train_steps == sorted(set(train_steps))  # the replayed steps were not logged twice
+    assert records[-2]["kind"] == "train" and records[-2]["restarts"] == 1  # the count is in the metrics
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def logged_steps(run_dir) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            steps.append(json.loads(line)["step"])
+        except ValueError:  # a line being written right now
+            pass
+    return steps
+
+
+def test_sigterm_to_the_launcher_saves_at_a_step_boundary_and_the_rerun_finishes_exactly(launch, tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "launcher", *FAULTY, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any(s >= 3 for s in logged_steps(run_dir)), timeout=120, what="the first logged steps")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    print(out, err)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "saving a checkpoint at the next step boundary" in err and "Run the same command again" in err
+    saved = final_checkpoint(run_dir)
+    assert 3 < saved["step"] < 32
+    assert f"stopped at step {saved['step']} with a checkpoint" in out
+
+    rerun = launch(*FAULTY, f"hydra.run.dir={run_dir}")
+    assert rerun.returncode == 0 and f"resumed at step {saved['step']}" in rerun.stdout
+    assert_same_weights(final_checkpoint(run_dir), uninterrupted)
+
+
+def test_a_hanging_rank_is_reported_by_rank_and_the_group_restarts(launch, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [*FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16", "launcher.max_restarts=1",
+                 "trainer.hang_timeout_s=3", "trainer.timeout_s=60", f"hydra.run.dir={run_dir}"]
+    proc = launch(*overrides, env=fault_env("hang", rank=1, step=5), timeout=180)
+    assert proc.returncode == 0  # the restarted group finished the run
+    assert "[rank 1] no progress for" in proc.stderr and "limit trainer.hang_timeout_s=3" in proc.stderr
+    assert "faulty_train_step" in proc.stderr  # where it hung, from the stack dump
+    assert "rank 1 failed, exit code 70" in proc.stderr
+    assert final_checkpoint(run_dir)["step"] == 24
+
+
+def test_a_rank_that_fails_at_start_up_ends_the_job_with_its_error(launch, tmp_path):
+    proc = launch(*FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16", f"hydra.run.dir={tmp_path / 'run'}",
+                  env=fault_env("config", rank=1), timeout=120)
+    assert proc.returncode == 1
+    assert "error: training failed" in proc.stderr
+    assert "ValueError: injected config error on rank 1" in proc.stderr  # the failing rank's own traceback
+    assert "rank      : 1" in proc.stderr
+
+
+def test_a_rendezvous_port_in_use_is_refused_before_start(launch, tmp_path):
+    with socket.socket() as squatter:
+        squatter.bind(("", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        proc = launch("trainer.nodes=2", f"launcher.rdzv_endpoint=localhost:{port}", f"hydra.run.dir={tmp_path / 'run'}", timeout=60)
+    assert proc.returncode == 2
+    assert f"launcher.rdzv_endpoint=localhost:{port}: port {port} is already in use" in proc.stderr
+
+
+def test_resume_at_another_world_size_continues_from_the_same_sample(launch, tmp_path):
+    straight = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", f"hydra.run.dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0
+    split = tmp_path / "split"
+    first = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.max_steps=12", f"hydra.run.dir={split}")
+    assert first.returncode == 0
+    # Resumed on one process with the same global batch (32): the same samples in the same order.
+    second = launch(*IDENTITY, "trainer.procs_per_node=1", "data.batch_size=32", f"hydra.run.dir={split}")
+    assert second.returncode == 0
+    assert "resuming a checkpoint of world size 2 (global batch 32) at world size 1 (global batch 32)" in second.stderr
+    assert "resumed at step 12" in second.stdout
+    a, b = final_checkpoint(tmp_path / "straight"), final_checkpoint(split)
+    assert a["step"] == b["step"] == 24
+    for name in a["model"]:
+        torch.testing.assert_close(b["model"][name], a["model"][name], rtol=1e-5, atol=1e-6)
+
+
+def test_resume_with_another_global_batch_maps_the_position_by_sample(launch, tmp_path):
+    run_dir = tmp_path / "run"
+    assert launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.max_steps=12",
+                  f"hydra.run.dir={run_dir}").returncode == 0
+    # 12 steps x 32 samples = 384 samples into epoch 0; with a global batch of 16 that is step 24.
+    proc = launch(*IDENTITY, "trainer.procs_per_node=1", "data.batch_size=16", "trainer.max_steps=30", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0 and "resumed at step 24" in proc.stdout
+    assert final_checkpoint(run_dir)["step"] == 30

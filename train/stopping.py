@@ -1,0 +1,50 @@
+"""Graceful stop: a signal only sets a flag; the ranks agree at a step boundary, then save together and exit.
+
+Saving inside a signal handler, or on one rank only, is how checkpoints get torn and collectives deadlock. Here
+each step ends with an asynchronous all_reduce (MAX) of "did I get a signal?" on a separate gloo group, waited
+for one step later: no device synchronisation and no stall, and every rank reaches the same decision at the same
+step. A second signal ends the process at once (Ctrl-C twice).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+class StopRequest:
+    def __init__(self, signal_names: list[str]):
+        self.received: int | None = None
+        self.group = dist.new_group(backend="gloo")  # a CPU control channel, whatever the training backend
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.pending = None
+        for name in signal_names:
+            signal.signal(signal.Signals[name], self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self.received is not None:  # the second one: no checkpoint, stop now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.received = signum
+        print(f"[rank {dist.get_rank()}] {signal.Signals(signum).name}: saving a checkpoint at the next step "
+              f"boundary, then stopping (send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def agreed(self) -> bool:
+        """Call once per step on every rank. True when any rank had a signal by the previous call."""
+        stop = False
+        if self.pending is not None:
+            self.pending.wait()
+            stop = bool(self.flag.item())
+        self.flag.fill_(0 if self.received is None else 1)
+        self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return stop
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
