@@ -63,13 +63,18 @@ class Agent(LocalElasticAgent):
         return result
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        try:
-            super()._shutdown(death_sig, timeout)
-        except SignalException as second:
-            print(f"{second.sigval.name} again: stopping the workers now, without a final checkpoint", file=sys.stderr)
-            if self._pcontext is not None:
-                self._pcontext.close(signal.SIGKILL, timeout=5)
-            raise
+        # While the workers save and stop (up to `timeout`), another signal kills them instead of waiting.
+        for name in SIGNALS_TO_HANDLE.split(","):
+            signal.signal(signal.Signals[name], self._kill_workers)
+        super()._shutdown(death_sig, timeout)
+
+    def _kill_workers(self, signum: int, frame) -> None:
+        print(f"{signal.Signals(signum).name} again: stopping the workers now, without a final checkpoint", file=sys.stderr, flush=True)
+        for pid in self._pcontext.pids().values() if self._pcontext else ():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def run_agent(config: LaunchConfig, entrypoint: str, args: list[str]) -> None:

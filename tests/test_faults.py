@@ -4,6 +4,7 @@ resuming at another world size. Faults are injected by tests/faults/sitecustomiz
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import socket
@@ -147,3 +148,25 @@ def test_resume_with_another_global_batch_maps_the_position_by_sample(launch, tm
     proc = launch(*IDENTITY, "trainer.procs_per_node=1", "data.batch_size=16", "trainer.max_steps=30", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0 and "resumed at step 24" in proc.stdout
     assert final_checkpoint(run_dir)["step"] == 30
+
+
+def test_a_second_ctrl_c_stops_the_workers_at_once(tmp_path):
+    """Rank 0 hangs, so the first SIGINT's graceful stop cannot finish; the second one must not wait for it."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "launcher", *FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16",
+               "trainer.hang_timeout_s=0", "launcher.shutdown_timeout_s=600", f"hydra.run.dir={run_dir}"]
+    stderr_path = tmp_path / "stderr"
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                env={**os.environ, **fault_env("hang", rank=0, step=10)})
+        wait_for(lambda: any(s >= 8 for s in logged_steps(run_dir)), timeout=120, what="training to reach the hang")
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: "[rank 0] SIGINT" in stderr_path.read_text(), timeout=30, what="the workers to get the first SIGINT")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)  # far below the 600 s the workers would otherwise get
+    err = stderr_path.read_text()
+    print(out, err)
+    assert "SIGINT again: stopping the workers now" in err
+    assert proc.returncode == 128 + signal.SIGINT
+    workers = subprocess.run(["pgrep", "-f", f"train {run_dir}/config.yaml"], capture_output=True, text=True)
+    assert workers.stdout == ""  # no orphaned worker left behind
