@@ -7,7 +7,9 @@ Hydra runs here and only here. Workers never re-enter `@hydra.main`: they read R
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -16,7 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from launcher.jobs import FINISHED, job_state
 from launcher.local import launch_local
+from launcher.slurm import submit
 from launcher.summary import summary
 from launcher.validate import ConfigError, typed_config, validate
 from train.config import CONFIG_FILE
@@ -49,11 +53,37 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+def submit_to_slurm(cfg, run_dir: Path, snapshot: Path) -> int:
+    """Submit one job and return at once (or, with launcher.wait=true, when it ends). Returns the exit code."""
+    from submitit.core.utils import FailedJobError
+
+    try:
+        job = submit(cfg, run_dir, snapshot)
+    except (FailedJobError, subprocess.CalledProcessError) as error:
+        print(f"error: sbatch refused the job: {error}", file=sys.stderr)
+        return 2
+    print(
+        f"submitted SLURM job {job.job_id}\n"
+        f"  logs:   {job.paths.folder}/{job.job_id}_<task>_log.out and .err (task = rank)\n"
+        f"  follow: python -m launcher.jobs status {run_dir}   (also: logs, cancel)",
+        flush=True,
+    )
+    if not cfg.launcher.wait:
+        return 0
+    while (state := job_state(job.job_id)["state"]) not in FINISHED:  # through requeues, until it really ends
+        time.sleep(2)
+    print(f"job {job.job_id} ended: {state}")
+    return 0 if state == "COMPLETED" else 1
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     # Paths in the snapshot are absolute, so `python -m train RUN_DIR/config.yaml` works from any directory.
     cfg.data.root = str(Path(cfg.data.root).expanduser().resolve())
+    if cfg.launcher.name == "slurm" and f"SIG{cfg.launcher.signal}" not in cfg.trainer.stop_signals:
+        # SLURM's warning signal must make the trainer save and stop (then the job requeues itself).
+        cfg.trainer.stop_signals.append(f"SIG{cfg.launcher.signal}")
     try:
         typed = typed_config(cfg)
         validate(typed, run_dir)
@@ -66,6 +96,8 @@ def main(cfg: DictConfig) -> None:
     if typed.launcher.dry_run:
         print(f"dry run: nothing started. Run one rank by hand with: python -m train {snapshot}")
         return
+    if typed.launcher.name == "slurm":
+        sys.exit(submit_to_slurm(typed, run_dir, snapshot))
     try:
         launch_local(typed, run_dir, snapshot)
     except ChildFailedError as error:

@@ -23,6 +23,19 @@ class LauncherConfig:
     monitor_interval_s: float = 0.5  # how often the agent checks on its workers
     shutdown_timeout_s: int = 60  # on SIGTERM/Ctrl-C, how long workers get to save before they are killed
     dry_run: bool = False  # validate, write RUN_DIR/config.yaml and print the summary, but start no process
+    # launcher=slurm: one job through submitit (see slurm/README.md)
+    partition: str = ""  # slurm: --partition (empty: the cluster's default)
+    account: str = ""  # slurm: --account
+    qos: str = ""  # slurm: --qos
+    constraint: str = ""  # slurm: --constraint
+    time_min: int = 60  # slurm: time limit of the job (each requeued run gets it afresh), minutes
+    cpus_per_task: int = 0  # slurm: CPUs per rank; 0 leaves it to SLURM
+    mem_gb: int = 0  # slurm: memory per node in GB; 0 leaves it to SLURM
+    signal: str = "USR2"  # slurm: warning signal before the time limit or preemption (NCCL may catch USR1)
+    signal_delay_s: int = 120  # slurm: how long before the limit the warning comes: time to finish a step and save
+    max_requeues: int = 3  # slurm: how often the job requeues itself after a warning before giving up
+    wait: bool = False  # slurm: block until the job ends and exit with its status (default: return at once)
+    sbatch: dict[str, str] = field(default_factory=dict)  # slurm: extra sbatch options, e.g. {gres: "gpu:4"}
 
 
 @dataclass

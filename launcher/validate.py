@@ -6,8 +6,10 @@ fixes a bad command in one round instead of watching N ranks crash (or hang) one
 
 from __future__ import annotations
 
+import shutil
 import signal
 import socket
+import subprocess
 from pathlib import Path
 
 import torch
@@ -24,7 +26,7 @@ from train.optim import SCHEDULES
 
 PRECISIONS = ("32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
-LAUNCHERS = ("local",)
+LAUNCHERS = ("local", "slurm")
 
 
 class ConfigError(ValueError):
@@ -39,10 +41,8 @@ def typed_config(cfg: DictConfig) -> Config:
     Hydra lets `+section.key=value` add a key that the schema does not have; merging into a fresh schema
     refuses it, so a misspelt key fails even when written with a `+`.
     """
-    schema = OmegaConf.structured(Config)
-    OmegaConf.set_struct(schema, True)
     try:
-        return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.to_container(cfg, resolve=True)))
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg, resolve=True)))
     except ConfigKeyError as error:
         raise ConfigError(
             [f"{error.full_key} is not a config key (misspelt?); the keys and their meaning are in train/config.py "
@@ -66,6 +66,8 @@ def _check_world(cfg: Config, problems: list[str], cuda_devices: int) -> None:
     t = cfg.trainer
     _at_least(problems, "trainer.nodes", t.nodes, 1)
     _at_least(problems, "trainer.gpus", t.gpus, 0, "use 0 to train on CPU")
+    if cfg.launcher.name == "slurm":  # the GPUs are on the cluster's nodes, not on this machine
+        cuda_devices = max(cuda_devices, t.gpus)
     if t.gpus > cuda_devices:
         problems.append(
             f"trainer.gpus={t.gpus}, but this machine has {cuda_devices} CUDA device(s)"
@@ -83,7 +85,7 @@ def _check_world(cfg: Config, problems: list[str], cuda_devices: int) -> None:
             )
     if _choice(problems, "trainer.precision", t.precision, PRECISIONS) and t.precision == "fp16" and t.gpus == 0:
         problems.append("trainer.precision=fp16 needs GPUs (trainer.gpus > 0): on CPU use trainer.precision=bf16 or 32.")
-    if t.nodes > 1 and not cfg.launcher.rdzv_endpoint:
+    if t.nodes > 1 and not cfg.launcher.rdzv_endpoint and cfg.launcher.name == "local":
         problems.append(
             f"trainer.nodes={t.nodes} needs launcher.rdzv_endpoint=HOST:PORT, the address of the first node "
             f"(run the same command on every node), e.g. launcher.rdzv_endpoint=node0:29400."
@@ -166,11 +168,50 @@ def _check_files(cfg: Config, run_dir: Path, problems: list[str]) -> None:
             problems.append(str(error))
 
 
+def _slurm(*args: str) -> list[str]:
+    out = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip() or f"{args[0]} exited with {out.returncode}")
+    return out.stdout.split()
+
+
+def _check_slurm(cfg: Config, problems: list[str]) -> None:
+    s = cfg.launcher
+    if f"SIG{s.signal}" not in signal.Signals.__members__:
+        problems.append(f"launcher.signal={s.signal!r} is not a signal name without SIG (e.g. USR2).")
+    _at_least(problems, "launcher.time_min", s.time_min, 1)
+    _at_least(problems, "launcher.max_requeues", s.max_requeues, 0)
+    if shutil.which("sbatch") is None:
+        problems.append(
+            "launcher=slurm needs SLURM's sbatch, which is not on PATH here: run from a SLURM login node, or "
+            "use launcher=local to train on this machine."
+        )
+        return
+    try:
+        listed = _slurm("sinfo", "-h", "-o", "%P")  # the default partition is marked with a *
+        partitions = [p.rstrip("*") for p in listed]
+        default = next((p.rstrip("*") for p in listed if p.endswith("*")), None)
+        partition = s.partition or default
+        if s.partition and s.partition not in partitions:
+            problems.append(f"launcher.partition={s.partition!r} does not exist on this cluster; choose one of: {', '.join(partitions)}.")
+            return
+        nodes = sum(int(n) for n in _slurm("sinfo", "-h", "-p", partition, "-o", "%D")) if partition else 0
+        if partition and cfg.trainer.nodes > nodes:
+            problems.append(
+                f"trainer.nodes={cfg.trainer.nodes}, but partition {partition!r} has {nodes} node(s): "
+                f"use trainer.nodes={nodes} or fewer, or another launcher.partition."
+            )
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        problems.append(f"launcher=slurm: cannot reach the SLURM controller ({error}); check SLURM_CONF and that slurmctld runs.")
+
+
 def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> None:
     """Raise ConfigError listing every problem with `cfg` (and its data and run directory)."""
     problems: list[str] = []
     _check_world(cfg, problems, torch.cuda.device_count() if cuda_devices is None else cuda_devices)
     _check_endpoint(cfg, problems)
+    if cfg.launcher.name == "slurm":
+        _check_slurm(cfg, problems)
     _check_training(cfg, problems)
     _check_files(cfg, run_dir, problems)
     if problems:

@@ -73,13 +73,23 @@ def logged_steps(run_dir) -> list[int]:
     return steps
 
 
+def kill_leftovers(proc: subprocess.Popen, run_dir) -> None:
+    """A failed test must not leave a launcher or its workers running (they sit in their own sessions)."""
+    if proc.poll() is None:
+        proc.kill()
+    subprocess.run(["pkill", "-9", "-f", f"train {run_dir}/config.yaml"], capture_output=True)
+
+
 def test_sigterm_to_the_launcher_saves_at_a_step_boundary_and_the_rerun_finishes_exactly(launch, tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "launcher", *FAULTY, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: any(s >= 3 for s in logged_steps(run_dir)), timeout=120, what="the first logged steps")
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            wait_for(lambda: any(s >= 3 for s in logged_steps(run_dir)), timeout=120, what="the first logged steps")
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            kill_leftovers(proc, run_dir)
     print(out, err)
     assert proc.returncode == 128 + signal.SIGTERM
     assert "saving a checkpoint at the next step boundary" in err and "Run the same command again" in err
@@ -159,11 +169,14 @@ def test_a_second_ctrl_c_stops_the_workers_at_once(tmp_path):
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                 env={**os.environ, **fault_env("hang", rank=0, step=10)})
-        wait_for(lambda: any(s >= 8 for s in logged_steps(run_dir)), timeout=120, what="training to reach the hang")
-        proc.send_signal(signal.SIGINT)
-        wait_for(lambda: "[rank 0] SIGINT" in stderr_path.read_text(), timeout=30, what="the workers to get the first SIGINT")
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)  # far below the 600 s the workers would otherwise get
+        try:
+            wait_for(lambda: any(s >= 8 for s in logged_steps(run_dir)), timeout=120, what="training to reach the hang")
+            proc.send_signal(signal.SIGINT)
+            wait_for(lambda: "[rank 0] SIGINT" in stderr_path.read_text(), timeout=30, what="the workers to get the first SIGINT")
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=60)  # far below the 600 s the workers would otherwise get
+        finally:
+            kill_leftovers(proc, run_dir)
     err = stderr_path.read_text()
     print(out, err)
     assert "SIGINT again: stopping the workers now" in err

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,14 +37,22 @@ log = logging.getLogger("train")
 PLAN_FILE = "plan.json"
 
 
-def main(config_path: str | Path) -> dict[str, float]:
+@dataclass
+class Outcome:
+    status: str  # finished | stopped (a stop signal: checkpoint saved) | complete (nothing left to do)
+    step: int
+    metrics: dict[str, float]  # the last evaluation's
+    signal: str | None = None  # the signal that stopped the run
+
+
+def main(config_path: str | Path) -> Outcome:
     config_path = Path(config_path).resolve()
     cfg = load_config(config_path)
     env = DistEnv.from_env()
-    logging.basicConfig(
-        level=logging.INFO if env.is_main else logging.WARNING,
-        format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)  # the trainer's own loggers only: the host program's logging stays its own
+    log.setLevel(logging.INFO if env.is_main else logging.WARNING)
     torch.set_num_threads(cfg.trainer.threads or distributed.default_threads(env))
     device = distributed.pick_device(env, cfg.trainer.gpus)
     backend = distributed.resolve_backend(cfg.trainer.backend, cfg.trainer.gpus)
@@ -142,13 +151,15 @@ def describe_plan(run: Run) -> str:
     return text
 
 
-def fit(run: Run) -> dict[str, float]:
+def fit(run: Run) -> Outcome:
     cfg, plan, progress, env = run.cfg, run.plan, run.progress, run.env
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     console = build_console(env, cfg.trainer.progress, plan.stop_step, progress.step)
     metrics = build_metrics(env, run.run_dir, progress.step, hparams={**to_dict(cfg), "plan": plan.to_dict()})
+    hosts: list = [None] * env.world_size
+    torch.distributed.all_gather_object(hosts, socket.gethostname())  # where each rank runs, for the record
     if env.is_main:
-        (run.run_dir / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+        (run.run_dir / PLAN_FILE).write_text(json.dumps({**plan.to_dict(), "hosts": hosts}, indent=2) + "\n")
     console.print(describe_plan(run))
     stop = StopRequest(cfg.trainer.stop_signals)
     watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s)
@@ -210,6 +221,8 @@ def fit(run: Run) -> dict[str, float]:
     metrics.close()
     if stopped:
         console.print(f"stopped at step {progress.step} with a checkpoint; run the same command again to resume")
-    elif not result:
+        return Outcome("stopped", progress.step, result, signal=stop.signal_name)
+    if not result:
         console.print(f"nothing to do: the run already reached step {progress.step} of {plan.stop_step}")
-    return result
+        return Outcome("complete", progress.step, result)
+    return Outcome("finished", progress.step, result)

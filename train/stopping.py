@@ -44,6 +44,11 @@ class StopRequest:
         self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         return stop
 
+    @property
+    def signal_name(self) -> str | None:
+        """The signal this rank received, if any (another rank may have been the one signalled)."""
+        return None if self.received is None else signal.Signals(self.received).name
+
     def close(self) -> None:
         if self.pending is not None:
             self.pending.wait()

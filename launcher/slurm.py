@@ -1,0 +1,113 @@
+"""Submit a run as ONE SLURM job through submitit: trainer.nodes nodes x one task per rank.
+
+Each task turns SLURM's environment into the env:// variables and runs the same trainer as the local path
+(`train.run.main` on the snapshot). Preemption and time limits: SLURM sends the warning signal
+(launcher.signal, USR2 by default) launcher.signal_delay_s before the end; the trainer's handler only sets a
+flag, the ranks agree at the next step boundary and save together, then rank 0 requeues the job, which resumes in
+the same run directory. Every submission is recorded in RUN_DIR/slurm/jobs.jsonl for `python -m launcher.jobs`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launcher.local import procs_per_node
+from launcher.schema import Config
+
+JOBS_FILE = "jobs.jsonl"
+
+
+def slurm_folder(run_dir: Path) -> Path:
+    return run_dir / "slurm"
+
+
+def export_env_from_slurm() -> dict[str, str]:
+    """Set the env:// variables from SLURM's (MASTER_PORT seeded by the job id, as submitit does); never
+    overwrite values that are already set. Returns what was exported."""
+    from submitit.helpers import TorchDistributedEnvironment
+
+    dist_env = TorchDistributedEnvironment()
+    values = {
+        "MASTER_ADDR": dist_env.master_addr,
+        "MASTER_PORT": str(dist_env.master_port),
+        "RANK": str(dist_env.rank),
+        "WORLD_SIZE": str(dist_env.world_size),
+        "LOCAL_RANK": str(dist_env.local_rank),
+        "LOCAL_WORLD_SIZE": str(dist_env.local_world_size),
+    }
+    exported = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(exported)
+    return exported
+
+
+class SlurmTask:
+    """What every task of the job runs (pickled by submitit, so a requeued job runs it again)."""
+
+    def __init__(self, snapshot: str, max_requeues: int, requeue_signal: str):
+        self.snapshot = snapshot
+        self.max_requeues = max_requeues
+        self.requeue_signal = requeue_signal
+
+    def __call__(self) -> dict:
+        from train.run import main
+
+        export_env_from_slurm()
+        outcome = main(self.snapshot)
+        if outcome.status == "stopped" and outcome.signal == self.requeue_signal:
+            self._requeue()
+        return {"status": outcome.status, "step": outcome.step, **outcome.metrics}
+
+    def _requeue(self) -> None:
+        job_id = os.environ["SLURM_JOB_ID"]
+        done = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        if done >= self.max_requeues:
+            print(f"not requeuing job {job_id}: launcher.max_requeues={self.max_requeues} reached", file=sys.stderr)
+            return
+        if os.environ.get("RANK") == "0":
+            # The checkpoint is committed (saving was collective); now SLURM may stop every task and requeue.
+            subprocess.run(["scontrol", "requeue", job_id], check=True)
+            print(f"requeued job {job_id} (requeue {done + 1} of {self.max_requeues}); it resumes from the checkpoint",
+                  file=sys.stderr, flush=True)
+        # Wait to be stopped by SLURM: returning now would let submitit record this attempt as the job's result.
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            time.sleep(1)
+
+
+def executor_parameters(cfg: Config) -> dict:
+    s = cfg.launcher
+    sbatch = {"signal": f"{s.signal}@{s.signal_delay_s}", "requeue": True, **s.sbatch}
+    parameters = dict(
+        nodes=cfg.trainer.nodes,
+        ntasks_per_node=procs_per_node(cfg),
+        time=s.time_min,
+        job_name=cfg.name,
+        additional_parameters=sbatch,
+        # submitit's own handler must listen for the same signal until the trainer installs ours
+        setup=[f"export SUBMITIT_PREEMPT_SIGNAL={s.signal}"],
+    )
+    optional = dict(
+        partition=s.partition, account=s.account, qos=s.qos, constraint=s.constraint,
+        gpus_per_node=cfg.trainer.gpus, cpus_per_task=s.cpus_per_task, mem=f"{s.mem_gb}GB" if s.mem_gb else "",
+    )
+    parameters.update({k: v for k, v in optional.items() if v})
+    return parameters
+
+
+def submit(cfg: Config, run_dir: Path, snapshot: Path):
+    """Submit the job and record it; returns the submitit job."""
+    import submitit
+
+    executor = submitit.SlurmExecutor(folder=slurm_folder(run_dir))
+    executor.update_parameters(**executor_parameters(cfg))
+    task = SlurmTask(str(snapshot), cfg.launcher.max_requeues, f"SIG{cfg.launcher.signal}")
+    job = executor.submit(task)
+    record = {"job_id": job.job_id, "submitted": time.time(), "nodes": cfg.trainer.nodes, "tasks": procs_per_node(cfg)}
+    with open(slurm_folder(run_dir) / JOBS_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return job

@@ -1,0 +1,185 @@
+"""SLURM: submission through the real CLI to a real two-node cluster (slurm/test-cluster.sh; CI starts it),
+preemption and requeue, cancel, bad input, and the SLURM -> env:// translation."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, final_checkpoint, read_metrics
+from launcher.jobs import job_state
+from launcher.slurm import export_env_from_slurm, slurm_folder
+
+DEFAULT_CONF = "/tmp/slurm-test-cluster/etc/slurm.conf"
+
+
+def cluster_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if "SLURM_CONF" not in os.environ and Path(DEFAULT_CONF).exists():
+        os.environ["SLURM_CONF"] = DEFAULT_CONF
+    if not cluster_up():
+        if os.environ.get("REQUIRE_SLURM"):
+            pytest.fail("REQUIRE_SLURM is set but no SLURM cluster answers (slurm/test-cluster.sh start)")
+        pytest.skip("no SLURM test cluster: start one with `sudo slurm/test-cluster.sh start` (CI does)")
+
+
+JOB = [*FAST, "launcher=slurm", "trainer.nodes=2", "trainer.procs_per_node=1", "data=synthetic", "model=mlp",
+       "model.hidden=[64]", "model.dropout=0.1", "trainer.epochs=3", "trainer.log_every=2"]
+
+
+def submitted_job_id(stdout: str) -> str:
+    line = next(line for line in stdout.splitlines() if line.startswith("submitted SLURM job"))
+    return line.split()[-1]
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def state(job_id: str) -> str:
+    return job_state(job_id)["state"]
+
+
+def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(cluster, launch, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(*JOB, f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0
+    job_id = submitted_job_id(proc.stdout)
+    assert state(job_id) != "COMPLETED"  # the command returned before the ~20 s job could finish
+    assert f"python -m launcher.jobs status {run_dir}" in proc.stdout
+
+    wait_for(lambda: state(job_id) == "COMPLETED", timeout=240, what=f"job {job_id} to complete")
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert sorted(plan["hosts"]) == ["n1", "n2"]  # the ranks really ran on both nodes
+    assert plan["world_size"] == 2
+    assert final_checkpoint(run_dir)["step"] == plan["total_steps"]
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+
+    status = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(run_dir)], capture_output=True, text=True)
+    assert f"{job_id}  COMPLETED" in " ".join(status.stdout.split()).replace(f"{job_id} COMPLETED", f"{job_id}  COMPLETED")
+    logs = subprocess.run([sys.executable, "-m", "launcher.jobs", "logs", str(run_dir)], capture_output=True, text=True)
+    assert f"eval  step {plan['total_steps']}" in logs.stdout
+
+
+def test_the_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_weights(cluster, launch, tmp_path):
+    reference = tmp_path / "reference"
+    blocking = launch(*JOB, "launcher.wait=true", f"hydra.run.dir={reference}", timeout=300)
+    assert blocking.returncode == 0 and "ended: COMPLETED" in blocking.stdout  # launcher.wait blocks to the end
+
+    run_dir = tmp_path / "preempted"
+    proc = launch(*JOB, f"hydra.run.dir={run_dir}")
+    job_id = submitted_job_id(proc.stdout)
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)[-1]["step"] >= 6, 180, "training")
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # what SLURM sends before a time limit
+    wait_for(lambda: "Restarts=1" in _show(job_id), timeout=120, what="the job to requeue itself")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)  # skip SLURM's 2 min hold
+    wait_for(lambda: state(job_id) == "COMPLETED", timeout=240, what="the requeued job to complete")
+
+    err = (slurm_folder(run_dir) / f"{job_id}_0_log.err").read_text()
+    assert "SIGUSR2: saving a checkpoint at the next step boundary" in err and "requeued job" in err
+    out = (slurm_folder(run_dir) / f"{job_id}_0_log.out").read_text()
+    assert "; resumed at step" in out  # the same run directory, from its checkpoint
+    a, b = final_checkpoint(reference), final_checkpoint(run_dir)
+    assert a["step"] == b["step"]
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs after preemption"
+    train_steps = [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"]
+    assert train_steps == sorted(set(train_steps))  # no step lost or repeated in the logs
+
+
+def _show(job_id: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+
+
+def test_cancel_is_reported_as_cancelled(cluster, launch, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(*JOB, "trainer.epochs=100", f"hydra.run.dir={run_dir}")
+    job_id = submitted_job_id(proc.stdout)
+    wait_for(lambda: state(job_id) == "RUNNING", timeout=120, what="the job to start")
+    cancel = subprocess.run([sys.executable, "-m", "launcher.jobs", "cancel", str(run_dir)], capture_output=True, text=True, timeout=60)
+    assert cancel.returncode == 0 and f"cancelled: {job_id}" in cancel.stdout
+    wait_for(lambda: state(job_id) == "CANCELLED", timeout=120, what="the job to be cancelled")
+    status = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(run_dir)], capture_output=True, text=True, timeout=60)
+    assert "CANCELLED" in status.stdout
+
+
+def test_a_partition_that_does_not_exist_is_refused(cluster, launch, tmp_path):
+    proc = launch(*JOB, "launcher.partition=gpu-a100", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    assert "launcher.partition='gpu-a100' does not exist on this cluster; choose one of: debug" in proc.stderr
+    assert not (tmp_path / "run" / "slurm").exists()
+
+
+def test_more_nodes_than_the_cluster_has_is_refused(cluster, launch, tmp_path):
+    proc = launch(*JOB, "trainer.nodes=3", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    assert "trainer.nodes=3, but partition 'debug' has 2 node(s)" in proc.stderr
+
+
+def test_launcher_slurm_without_slurm_installed_is_refused(launch, tmp_path):
+    proc = launch(*JOB, f"hydra.run.dir={tmp_path / 'run'}", env={"PATH": str(Path(sys.executable).parent)})
+    assert proc.returncode == 2
+    assert "launcher=slurm needs SLURM's sbatch, which is not on PATH" in proc.stderr
+
+
+SLURM_TASK = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1",
+              "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}
+ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def test_slurm_variables_become_the_env_contract(monkeypatch):
+    for key in ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in SLURM_TASK.items():
+        monkeypatch.setenv(key, value)
+    exported = export_env_from_slurm()
+    assert {k: os.environ[k] for k in ENV_KEYS if k != "MASTER_PORT"} == {
+        "MASTER_ADDR": "gpu07", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+    }
+    port = int(os.environ["MASTER_PORT"])
+    assert 20000 <= port <= 60000 and set(exported) == set(ENV_KEYS)
+    for key in ENV_KEYS:  # the same job id gives the same port on every node and after a requeue
+        monkeypatch.delenv(key)
+    export_env_from_slurm()
+    assert int(os.environ["MASTER_PORT"]) == port
+
+
+def test_values_already_set_are_never_overwritten(monkeypatch):
+    for key, value in SLURM_TASK.items():
+        monkeypatch.setenv(key, value)
+    for key in ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    exported = export_env_from_slurm()
+    assert os.environ["MASTER_PORT"] == "29999" and "MASTER_PORT" not in exported
+
+
+def test_the_sbatch_script_asks_for_the_world_the_config_describes():
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    from conftest import typed
+    from launcher.slurm import executor_parameters
+
+    cfg = typed("launcher=slurm", "trainer.nodes=2", "trainer.gpus=4", "launcher.partition=gpu", "launcher.signal=USR1",
+                "launcher.signal_delay_s=300", "+launcher.sbatch.exclusive=''")
+    script = _make_sbatch_string(command="python -m x", folder="/tmp/f", **executor_parameters(cfg))
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4", "#SBATCH --partition=gpu",
+                 "#SBATCH --signal=USR1@300", "#SBATCH --requeue", "#SBATCH --time=60", "export SUBMITIT_PREEMPT_SIGNAL=USR1"):
+        assert line in script
