@@ -1,4 +1,5 @@
-"""`python -m launcher.jobs status|logs|cancel RUN_DIR`: the SLURM jobs of a run.
+"""`python -m launcher.jobs status|logs|cancel RUN_DIR`: the SLURM jobs of a run (or of a whole sweep: pass
+its sweep directory to status and cancel).
 
 Reads RUN_DIR/slurm/jobs.jsonl, written at each submission. States come from sacct (SLURM's accounting), the
 logs from the files submitit writes per task (RUN_DIR/slurm/<job>_<task>_log.out/.err).
@@ -7,21 +8,22 @@ logs from the files submitit writes per task (RUN_DIR/slurm/<job>_<task>_log.out
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
 
-from launcher.slurm import JOBS_FILE, slurm_folder
+from launcher.slurm import JOBS_FILE, recorded_jobs, slurm_folder
+from launcher.sweep import point_dirs
 
 FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE")
 
 
-def job_ids(run_dir: Path) -> list[str]:
-    path = slurm_folder(run_dir) / JOBS_FILE
-    if not path.exists():
-        sys.exit(f"error: {run_dir} has no SLURM jobs ({path} does not exist); was it launched with launcher=slurm?")
-    return [json.loads(line)["job_id"] for line in path.read_text().splitlines() if line.strip()]
+def job_ids(path: Path) -> list[str]:
+    """The jobs of a run directory, or of every point of a sweep directory."""
+    ids = recorded_jobs(path) or [j for point in point_dirs(path) for j in recorded_jobs(point)]
+    if not ids:
+        sys.exit(f"error: {path} has no SLURM jobs (no slurm/{JOBS_FILE}); was it launched with launcher=slurm?")
+    return ids
 
 
 def job_state(job_id: str) -> dict[str, str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -24,6 +25,7 @@ from launcher.slurm import submit
 from launcher.summary import summary
 from launcher.validate import ConfigError, typed_config, validate
 from train.config import CONFIG_FILE
+from train.status import read_status, write_status
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -61,7 +63,9 @@ def submit_to_slurm(cfg, run_dir: Path, snapshot: Path) -> int:
         job = submit(cfg, run_dir, snapshot)
     except (FailedJobError, subprocess.CalledProcessError) as error:
         print(f"error: sbatch refused the job: {error}", file=sys.stderr)
+        write_status(run_dir, "failed", error=f"sbatch refused the job: {error}")
         return 2
+    write_status(run_dir, "submitted", job_id=job.job_id)
     print(
         f"submitted SLURM job {job.job_id}\n"
         f"  logs:   {job.paths.folder}/{job.job_id}_<task>_log.out and .err (task = rank)\n"
@@ -76,9 +80,8 @@ def submit_to_slurm(cfg, run_dir: Path, snapshot: Path) -> int:
     return 0 if state == "COMPLETED" else 1
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def main(cfg: DictConfig) -> None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+def launch(cfg: DictConfig, run_dir: Path) -> int:
+    """Validate, snapshot, and run (or submit) one run. Returns its exit code; writes RUN_DIR/status.json."""
     # Paths in the snapshot are absolute, so `python -m train RUN_DIR/config.yaml` works from any directory.
     cfg.data.root = str(Path(cfg.data.root).expanduser().resolve())
     if cfg.launcher.name == "slurm" and f"SIG{cfg.launcher.signal}" not in cfg.trainer.stop_signals:
@@ -89,21 +92,38 @@ def main(cfg: DictConfig) -> None:
         validate(typed, run_dir)
     except ConfigError as error:
         print(f"error: the config has {len(error.problems)} problem(s):\n{error}", file=sys.stderr)
-        sys.exit(2)
+        write_status(run_dir, "failed", error=str(error).strip())
+        return 2
 
     snapshot, changed = write_snapshot(cfg, run_dir)
+    if not changed and read_status(run_dir).get("status") == "finished":
+        print(f"{run_dir}: already finished with this config (status.json); nothing to do")
+        return 0
     print(summary(typed, run_dir, changed), flush=True)
     if typed.launcher.dry_run:
         print(f"dry run: nothing started. Run one rank by hand with: python -m train {snapshot}")
-        return
+        return 0
     if typed.launcher.name == "slurm":
-        sys.exit(submit_to_slurm(typed, run_dir, snapshot))
+        return submit_to_slurm(typed, run_dir, snapshot)
     try:
         launch_local(typed, run_dir, snapshot)
     except ChildFailedError as error:
         print(f"error: training failed.\n{error.format_msg()}", file=sys.stderr)
-        sys.exit(1)
+        write_status(run_dir, "failed", error=f"rank {error.get_first_failure()[0]} failed")
+        return 1
     except SignalException as error:
         print(f"stopped by {error.sigval.name}; the workers were stopped. Run the same command again to resume "
               f"from the last checkpoint in {run_dir}.", file=sys.stderr)
-        sys.exit(128 + error.sigval.value)
+        sys.exit(128 + error.sigval.value)  # a signal stops a whole sweep too
+    return 0
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> int:
+    hydra_cfg = HydraConfig.get()
+    code = launch(cfg, Path(hydra_cfg.runtime.output_dir))
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return code  # one failed point does not stop the others; the sweep summary reports it
+    if code:
+        sys.exit(code)
+    return code

@@ -26,6 +26,12 @@ def slurm_folder(run_dir: Path) -> Path:
     return run_dir / "slurm"
 
 
+def recorded_jobs(run_dir: Path) -> list[str]:
+    """The ids of the jobs submitted for a run directory, oldest first."""
+    path = slurm_folder(run_dir) / JOBS_FILE
+    return [json.loads(line)["job_id"] for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def export_env_from_slurm() -> dict[str, str]:
     """Set the env:// variables from SLURM's (MASTER_PORT seeded by the job id, as submitit does); never
     overwrite values that are already set. Returns what was exported."""

@@ -75,6 +75,20 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def logged_steps(run_dir: Path) -> list[int]:
+    """Steps logged so far by a run that may be writing right now."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            steps.append(json.loads(line)["step"])
+        except ValueError:  # a line being written right now
+            pass
+    return steps
+
+
 def final_checkpoint(run_dir: Path) -> dict:
     files = sorted((run_dir / "checkpoints").glob("step_*.pt"))
     assert files, f"no checkpoint in {run_dir}"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import FAST, REPO
-from train.checkpoint import BEST, CheckpointManager, CheckpointSaveError, load, refuse_fresh_start_over, step_file_name
+from train.checkpoint import BEST, CheckpointManager, load, refuse_fresh_start_over, step_file_name
 from train.config import CheckpointConfig
 
 SMALL = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=2", "trainer.epochs=2"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import FAST, REPO, read_metrics, run_cli
+from conftest import FAST, read_metrics
 from train.config import load_config
 from train.data import DataSpec
 from train.models import build_model
@@ -64,10 +65,11 @@ def test_default_job_trains_to_90_percent_with_checkpoints_and_tensorboard(launc
     assert all(e.value > 0 for e in events.Scalars("train/samples_per_s"))
     assert (run_dir / "tb").glob("events.out.tfevents.*")
 
-    # Re-running the same command resumes: nothing left to do, nothing rewritten.
+    # Re-running the same command finds the run finished: nothing started, nothing rewritten.
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
     again = launch(f"hydra.run.dir={run_dir}", "trainer.progress=lines")
     assert again.returncode == 0
-    assert "resumed at step 165" in again.stdout and "nothing to do" in again.stdout
+    assert "already finished with this config" in again.stdout
     assert read_metrics(run_dir) == records
 
 

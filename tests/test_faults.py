@@ -3,7 +3,6 @@ resuming at another world size. Faults are injected by tests/faults/sitecustomiz
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -15,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, final_checkpoint, fault_env, read_metrics, run_cli
+from conftest import FAST, final_checkpoint, fault_env, logged_steps, read_metrics, run_cli
 from test_ddp_identity import IDENTITY, RESUME
 
 # Every piece of resumable state is in play (AdamW, dropout, augmentation, accumulation, clipping).
@@ -58,19 +57,6 @@ def wait_for(condition, timeout: float, what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-def logged_steps(run_dir) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    steps = []
-    for line in path.read_text().splitlines():
-        try:
-            steps.append(json.loads(line)["step"])
-        except ValueError:  # a line being written right now
-            pass
-    return steps
 
 
 def kill_leftovers(proc: subprocess.Popen, run_dir) -> None:

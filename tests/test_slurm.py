@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, final_checkpoint, read_metrics
+from conftest import FAST, final_checkpoint, logged_steps, read_metrics
 from launcher.jobs import job_state
 from launcher.slurm import export_env_from_slurm, slurm_folder
 
@@ -78,15 +78,19 @@ def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(clu
     assert f"eval  step {plan['total_steps']}" in logs.stdout
 
 
+# Long enough (~640 steps of a wider MLP) that the warning surely lands mid-run.
+LONG_JOB = [*JOB, "trainer.epochs=20", "model.hidden=[512,512]", "trainer.log_every=10"]
+
+
 def test_the_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_weights(cluster, launch, tmp_path):
     reference = tmp_path / "reference"
-    blocking = launch(*JOB, "launcher.wait=true", f"hydra.run.dir={reference}", timeout=300)
+    blocking = launch(*LONG_JOB, "launcher.wait=true", f"hydra.run.dir={reference}", timeout=300)
     assert blocking.returncode == 0 and "ended: COMPLETED" in blocking.stdout  # launcher.wait blocks to the end
 
     run_dir = tmp_path / "preempted"
-    proc = launch(*JOB, f"hydra.run.dir={run_dir}")
+    proc = launch(*LONG_JOB, f"hydra.run.dir={run_dir}")
     job_id = submitted_job_id(proc.stdout)
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)[-1]["step"] >= 6, 180, "training")
+    wait_for(lambda: any(step >= 20 for step in logged_steps(run_dir)), 180, "training")
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # what SLURM sends before a time limit
     wait_for(lambda: "Restarts=1" in _show(job_id), timeout=120, what="the job to requeue itself")
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)  # skip SLURM's 2 min hold

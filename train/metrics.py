@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from train.dist import DistEnv
@@ -38,7 +39,7 @@ class Metrics:
     def log(self, kind: str, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
             self.writer.add_scalar(f"{kind}/{key}", value, step)
-        self.file.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+        self.file.write(json.dumps({"kind": kind, "step": step, "time": time.time(), **values}) + "\n")
 
     def close(self) -> None:
         self.writer.close()

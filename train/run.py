@@ -28,6 +28,7 @@ from train.metrics import build_metrics
 from train.models import build_model
 from train.optim import Plan, build_optimizer, build_scheduler, make_plan
 from train.state import Progress, build_state, gather_rng, restore_state, seed_rank
+from train.status import write_status
 from train.step import Meter, build_autocast, train_step
 from train.stopping import StopRequest
 from train.watchdog import Watchdog
@@ -221,7 +222,11 @@ def fit(run: Run) -> Outcome:
     metrics.close()
     if stopped:
         console.print(f"stopped at step {progress.step} with a checkpoint; run the same command again to resume")
+        if env.is_main:
+            write_status(run.run_dir, "stopped", step=progress.step)
         return Outcome("stopped", progress.step, result, signal=stop.signal_name)
+    if env.is_main:
+        write_status(run.run_dir, "finished", step=progress.step, **{f"eval_{k}": v for k, v in result.items()})
     if not result:
         console.print(f"nothing to do: the run already reached step {progress.step} of {plan.stop_step}")
         return Outcome("complete", progress.step, result)

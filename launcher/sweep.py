@@ -1,0 +1,122 @@
+"""The summary of a Hydra multirun sweep: one row per point with its overrides, global batch, final and best
+evaluation accuracy, final loss, throughput, wall time and SLURM job ids; printed as a table and written to
+SWEEP_DIR/summary.csv (the sweep's manifest). The launcher prints it when a local sweep ends; `python -m launcher.sweep SWEEP_DIR`
+rebuilds it at any time (e.g. once the jobs of a SLURM sweep have finished). TensorBoard pointed at SWEEP_DIR
+lists every point in its HPARAMS view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from launcher.slurm import recorded_jobs
+from train.status import read_status
+
+SUMMARY_FILE = "summary.csv"
+COLUMNS = ("point", "status", "overrides", "global_batch", "final_acc", "best_acc", "final_loss", "samples_per_s",
+           "wall_time_s", "slurm_jobs")
+
+
+def point_dirs(sweep_dir: Path) -> list[Path]:
+    """The run directories of a sweep: those holding Hydra's record of their overrides."""
+    return sorted(p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml"))
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a torn last line
+            pass
+    return records
+
+
+def summarize_point(run_dir: Path) -> dict:
+    overrides = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
+    plan_path = run_dir / "plan.json"
+    plan = json.loads(plan_path.read_text()) if plan_path.exists() else {}
+    records = _records(run_dir)
+    evals = [r for r in records if r["kind"] == "eval"]
+    trains = [r for r in records if r["kind"] == "train"]
+    timed = [r["time"] for r in records if "time" in r]
+    return {
+        "point": run_dir.name,
+        "status": read_status(run_dir).get("status", "not started"),
+        "overrides": " ".join(overrides),
+        "global_batch": plan.get("global_batch"),
+        "final_acc": evals[-1]["acc"] if evals else None,
+        "best_acc": max(r["acc"] for r in evals) if evals else None,
+        "final_loss": evals[-1]["loss"] if evals else None,
+        "samples_per_s": statistics.median(r["samples_per_s"] for r in trains) if trains else None,
+        "wall_time_s": timed[-1] - timed[0] if len(timed) > 1 else None,
+        "slurm_jobs": " ".join(recorded_jobs(run_dir)) or None,
+    }
+
+
+def summarize(sweep_dir: Path) -> list[dict]:
+    rows = [summarize_point(run_dir) for run_dir in point_dirs(sweep_dir)]
+    with open(sweep_dir / SUMMARY_FILE, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}" if value < 10 else f"{value:,.0f}"
+    return str(value)
+
+
+def print_table(rows: list[dict], sweep_dir: Path) -> None:
+    table = Table(title=f"sweep {sweep_dir} ({SUMMARY_FILE} beside it)")
+    for column in COLUMNS:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*(_cell(row[c]) for c in COLUMNS))
+    Console(width=200).print(table)
+
+
+class SweepSummary(Callback):
+    """At the end of a multirun: the summary, and a failing exit code if any point failed."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = summarize(sweep_dir)
+        print_table(rows, sweep_dir)
+        failed = [r["point"] for r in rows if r["status"] == "failed"]
+        if failed:
+            print(f"error: {len(failed)} of {len(rows)} point(s) failed: {', '.join(failed)}", file=sys.stderr)
+            sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.sweep", description="Rebuild a sweep's summary.")
+    parser.add_argument("sweep_dir", type=Path)
+    sweep_dir = parser.parse_args(argv).sweep_dir.resolve()
+    rows = summarize(sweep_dir)
+    if not rows:
+        print(f"error: {sweep_dir} holds no sweep points (no */.hydra/overrides.yaml)", file=sys.stderr)
+        return 2
+    print_table(rows, sweep_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Hydra multirun sweeps: every point its own distributed job and run directory, failures isolated, finished
+points skipped on a re-run, and a summary whose numbers are the points' own."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+
+from conftest import FAST, read_metrics
+from test_slurm import cluster, state, wait_for  # noqa: F401  (the cluster fixture)
+
+POINT = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=2", "trainer.epochs=1"]
+
+
+def read_summary(sweep_dir) -> dict[str, dict]:
+    with open(sweep_dir / "summary.csv") as f:
+        return {row["overrides"]: row for row in csv.DictReader(f)}
+
+
+def test_a_2x2_sweep_runs_four_jobs_and_summarizes_them(launch, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    sweep = ["-m", *POINT, "data.batch_size=16,32", "optim.lr=0.05,0.1", f"hydra.sweep.dir={sweep_dir}"]
+    proc = launch(*sweep)
+    assert proc.returncode == 0
+    points = sorted(p for p in sweep_dir.iterdir() if (p / "config.yaml").exists())
+    assert len(points) == 4
+    assert all(list((p / "checkpoints").glob("step_*.pt")) for p in points)
+
+    rows = read_summary(sweep_dir)
+    assert len(rows) == 4
+    for point in points:
+        evals = [r for r in read_metrics(point) if r["kind"] == "eval"]
+        row = next(r for r in rows.values() if r["point"] == point.name)
+        assert row["status"] == "finished"
+        assert float(row["final_acc"]) == evals[-1]["acc"] and float(row["final_loss"]) == evals[-1]["loss"]
+        batch = 16 if "data.batch_size=16" in row["overrides"] else 32
+        assert int(row["global_batch"]) == 2 * batch
+        assert float(row["samples_per_s"]) > 0 and float(row["wall_time_s"]) > 0
+    assert "final_acc" in proc.stdout and "summary.csv" in proc.stdout  # the table on the console
+
+    again = launch(*sweep)  # the same command: every point is already finished
+    assert again.returncode == 0
+    assert again.stdout.count("already finished with this config") == 4
+    assert read_summary(sweep_dir) == rows
+
+
+def test_a_failing_point_is_reported_and_the_others_complete(launch, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = launch("-m", *POINT, "data.batch_size=0,16", f"hydra.sweep.dir={sweep_dir}")
+    assert proc.returncode == 1
+    assert "data.batch_size=0 must be at least 1" in proc.stderr
+    assert "1 of 2 point(s) failed" in proc.stderr
+    rows = read_summary(sweep_dir)
+    bad, good = (next(r for key, r in rows.items() if f"data.batch_size={b} " in key + " ") for b in (0, 16))
+    assert bad["status"] == "failed" and bad["final_acc"] == ""
+    assert good["status"] == "finished" and float(good["final_acc"]) > 0
+
+
+def test_a_slurm_sweep_submits_every_point_at_once(cluster, launch, tmp_path):  # noqa: F811
+    sweep_dir = tmp_path / "sweep"
+    proc = launch("-m", *POINT, "launcher=slurm", "trainer.nodes=2", "trainer.procs_per_node=1", "optim.lr=0.05,0.1",
+                  f"hydra.sweep.dir={sweep_dir}")
+    assert proc.returncode == 0
+    job_ids = [line.split()[-1] for line in proc.stdout.splitlines() if line.startswith("submitted SLURM job")]
+    assert len(job_ids) == 2
+    assert any(state(j) != "COMPLETED" for j in job_ids)  # the command did not wait for the jobs
+
+    status = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(sweep_dir)], capture_output=True, text=True)
+    assert all(j in status.stdout for j in job_ids)
+    wait_for(lambda: all(state(j) == "COMPLETED" for j in job_ids), timeout=300, what="the sweep's jobs")
+
+    summary = subprocess.run([sys.executable, "-m", "launcher.sweep", str(sweep_dir)], capture_output=True, text=True)
+    assert summary.returncode == 0
+    rows = read_summary(sweep_dir)
+    assert [r["status"] for r in rows.values()] == ["finished", "finished"]
+    assert all(float(r["final_acc"]) > 0 for r in rows.values())
