@@ -21,10 +21,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from launcher.jobs import FINISHED, job_state
 from launcher.local import launch_local
+from launcher.rundir import RunDirBusy, hold
+from launcher.schema import Config
 from launcher.slurm import submit
 from launcher.summary import summary
 from launcher.validate import ConfigError, typed_config, validate
-from train.config import CONFIG_FILE
+from train.config import CONFIG_FILE, flatten
 from train.status import read_status, write_status
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -36,8 +38,8 @@ def write_snapshot(cfg: DictConfig, run_dir: Path) -> tuple[Path, list[str]]:
     text = OmegaConf.to_yaml(cfg, resolve=True)
     changed = []
     if path.exists():
-        old = _flat(OmegaConf.to_container(OmegaConf.load(path)))
-        new = _flat(OmegaConf.to_container(OmegaConf.create(text)))
+        old = flatten(OmegaConf.to_container(OmegaConf.load(path)))
+        new = flatten(OmegaConf.to_container(OmegaConf.create(text)))
         changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
@@ -45,17 +47,7 @@ def write_snapshot(cfg: DictConfig, run_dir: Path) -> tuple[Path, list[str]]:
     return path, changed
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def submit_to_slurm(cfg, run_dir: Path, snapshot: Path) -> int:
+def submit_to_slurm(cfg: Config, run_dir: Path, snapshot: Path) -> int:
     """Submit one job and return at once (or, with launcher.wait=true, when it ends). Returns the exit code."""
     from submitit.core.utils import FailedJobError
 
@@ -95,6 +87,28 @@ def launch(cfg: DictConfig, run_dir: Path) -> int:
         write_status(run_dir, "failed", error=str(error).strip())
         return 2
 
+    try:
+        with hold(run_dir):
+            return start(cfg, typed, run_dir)
+    except RunDirBusy as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def active_job(run_dir: Path) -> tuple[str, str] | None:
+    """The SLURM job that still owns this run directory, if any: (job id, state)."""
+    status = read_status(run_dir)
+    if status.get("status") != "submitted":
+        return None
+    state = job_state(status["job_id"])["state"]
+    return None if state in FINISHED else (status["job_id"], state)
+
+
+def start(cfg: DictConfig, typed: Config, run_dir: Path) -> int:
+    if (job := active_job(run_dir)) is not None:
+        print(f"error: SLURM job {job[0]} ({job[1]}) still runs this directory ({run_dir}): wait for it, or cancel it "
+              f"with python -m launcher.jobs cancel {run_dir}", file=sys.stderr)
+        return 2
     snapshot, changed = write_snapshot(cfg, run_dir)
     if not changed and read_status(run_dir).get("status") == "finished":
         print(f"{run_dir}: already finished with this config (status.json); nothing to do")

@@ -8,7 +8,10 @@ extending a run with trainer.max_steps=... resumes it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -80,3 +83,29 @@ class CheckRunDir(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         HydraConfig.instance().set_config(config)
         check_writable(Path(config.hydra.sweep.dir), "hydra.sweep.dir")
+
+
+LOCK_FILE = ".launcher.lock"
+
+
+class RunDirBusy(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def hold(run_dir: Path):
+    """Hold the run directory for this launcher: a second launch into it fails at once instead of two runs
+    writing the same checkpoints. (An flock: released by the OS when this process dies, however it dies.)"""
+    with open(run_dir / LOCK_FILE, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise RunDirBusy(
+                f"hydra.run.dir={run_dir} is in use by another launcher (pid {lock.read().strip() or '?'}): wait for "
+                f"it to finish, stop it, or choose another hydra.run.dir."
+            ) from None
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        yield

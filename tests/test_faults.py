@@ -169,3 +169,18 @@ def test_a_second_ctrl_c_stops_the_workers_at_once(tmp_path):
     assert proc.returncode == 128 + signal.SIGINT
     workers = subprocess.run(["pgrep", "-f", f"train {run_dir}/config.yaml"], capture_output=True, text=True)
     assert workers.stdout == ""  # no orphaned worker left behind
+
+
+def test_a_second_launch_into_a_running_run_dir_is_refused(launch, tmp_path):
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "launcher", *FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16",
+               "trainer.max_steps=-1", "trainer.epochs=100000", f"hydra.run.dir={run_dir}"]  # runs until killed
+    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as first:
+        try:
+            wait_for(lambda: bool(logged_steps(run_dir)), timeout=120, what="the first run to train")
+            second = launch(*FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16", f"hydra.run.dir={run_dir}")
+        finally:
+            kill_leftovers(first, run_dir)
+    assert second.returncode == 2
+    assert f"hydra.run.dir={run_dir} is in use by another launcher (pid {first.pid})" in second.stderr
+    assert "plan:" not in second.stdout  # no worker of the second launch started

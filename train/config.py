@@ -117,3 +117,14 @@ def load_config(path: str | Path) -> TrainConfig:
 def to_dict(cfg: TrainConfig) -> dict:
     """Plain dict of the config (safe for weights_only checkpoints and TensorBoard)."""
     return dataclasses.asdict(cfg)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}: nested config sections as dotted keys."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -12,6 +12,7 @@ import os
 import time
 from pathlib import Path
 
+from train.config import flatten
 from train.dist import DistEnv
 
 METRICS_FILE = "metrics.jsonl"
@@ -33,7 +34,9 @@ class Metrics:
         # Written into this run's own event file (SummaryWriter.add_hparams would open a second run directory).
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-        for summary in hparams_summary(_flat_scalars(hparams), {tag: 0.0 for tag in metric_tags}):
+        # TensorBoard takes numbers, strings and bools; lists become strings.
+        scalars = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flatten(hparams).items()}
+        for summary in hparams_summary(scalars, {tag: 0.0 for tag in metric_tags}):
             self.writer.file_writer.add_summary(summary)
 
     def log(self, kind: str, step: int, values: dict[str, float]) -> None:
@@ -75,17 +78,3 @@ def _step_of(line: str) -> float:
         return json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):  # a line torn by a crash mid-write
         return float("inf")
-
-
-def _flat_scalars(tree: dict, prefix: str = "") -> dict:
-    """Flatten a nested config into TensorBoard hparams (numbers, strings and bools; lists become strings)."""
-    flat = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_flat_scalars(value, f"{name}."))
-        elif isinstance(value, (int, float, str, bool)):
-            flat[name] = value
-        else:
-            flat[name] = str(value)
-    return flat
