@@ -20,6 +20,7 @@ from launcher.local import procs_per_node
 from launcher.schema import Config
 
 JOBS_FILE = "jobs.jsonl"
+ENV_CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def slurm_folder(run_dir: Path) -> Path:
@@ -34,7 +35,8 @@ def recorded_jobs(run_dir: Path) -> list[str]:
 
 def export_env_from_slurm() -> dict[str, str]:
     """Set the env:// variables from SLURM's (MASTER_PORT seeded by the job id, as submitit does); never
-    overwrite values that are already set. Returns what was exported."""
+    overwrite values that are already set (the batch script unsets inherited ones, so only a value set on
+    purpose in the job survives). Returns what was exported."""
     from submitit.helpers import TorchDistributedEnvironment
 
     dist_env = TorchDistributedEnvironment()
@@ -94,8 +96,13 @@ def executor_parameters(cfg: Config) -> dict:
         time=s.time_min,
         job_name=cfg.name,
         additional_parameters=sbatch,
-        # submitit's own handler must listen for the same signal until the trainer installs ours
-        setup=[f"export SUBMITIT_PREEMPT_SIGNAL={s.signal}"],
+        setup=[
+            # submitit's own handler must listen for the same signal until the trainer installs ours
+            f"export SUBMITIT_PREEMPT_SIGNAL={s.signal}",
+            # sbatch exports the submitting shell: stale env:// values from it (a torchrun shell, another job)
+            # must not reach the tasks, which derive their own from SLURM
+            "unset " + " ".join(ENV_CONTRACT),
+        ],
     )
     optional = dict(
         partition=s.partition, account=s.account, qos=s.qos, constraint=s.constraint,

@@ -99,7 +99,9 @@ start() {
     mkdir -p /run/mysqld && chown mysql:mysql /run/mysqld
     (mariadbd --user=mysql --skip-networking >"$DIR/log/mariadb.log" 2>&1 &)
     wait_for 30 mariadb mysql -e "SELECT 1"
-    mysql -e "CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurm';
+    # Fresh accounting too: job ids restart at 1, and sacct must not answer with an earlier cluster's job 1.
+    mysql -e "DROP DATABASE IF EXISTS slurm_acct_db;
+              CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurm';
               GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost'; FLUSH PRIVILEGES;"
 
     slurmdbd

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -59,7 +60,9 @@ def state(job_id: str) -> str:
 
 def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(cluster, launch, tmp_path):
     run_dir = tmp_path / "run"
-    proc = launch(*JOB, f"hydra.run.dir={run_dir}")
+    # Submitted from a shell that holds stale env:// values (say, inside torchrun): they must not reach the job.
+    stale = {"MASTER_ADDR": "stale-host", "MASTER_PORT": "1", "RANK": "5", "WORLD_SIZE": "9"}
+    proc = launch(*JOB, f"hydra.run.dir={run_dir}", env=stale)
     assert proc.returncode == 0
     job_id = submitted_job_id(proc.stdout)
     assert state(job_id) != "COMPLETED"  # the command returned before the ~20 s job could finish
@@ -148,11 +151,16 @@ SLURM_TASK = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_NTASK
 ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
-def test_slurm_variables_become_the_env_contract(monkeypatch):
-    for key in ENV_KEYS:
-        monkeypatch.delenv(key, raising=False)
-    for key, value in SLURM_TASK.items():
-        monkeypatch.setenv(key, value)
+@pytest.fixture
+def slurm_task_env():
+    """This process's environment as inside a SLURM task; everything (exports included) undone afterwards."""
+    with mock.patch.dict(os.environ, SLURM_TASK):
+        for key in ENV_KEYS:
+            os.environ.pop(key, None)
+        yield
+
+
+def test_slurm_variables_become_the_env_contract(slurm_task_env):
     exported = export_env_from_slurm()
     assert {k: os.environ[k] for k in ENV_KEYS if k != "MASTER_PORT"} == {
         "MASTER_ADDR": "gpu07", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
@@ -160,17 +168,13 @@ def test_slurm_variables_become_the_env_contract(monkeypatch):
     port = int(os.environ["MASTER_PORT"])
     assert 20000 <= port <= 60000 and set(exported) == set(ENV_KEYS)
     for key in ENV_KEYS:  # the same job id gives the same port on every node and after a requeue
-        monkeypatch.delenv(key)
+        del os.environ[key]
     export_env_from_slurm()
     assert int(os.environ["MASTER_PORT"]) == port
 
 
-def test_values_already_set_are_never_overwritten(monkeypatch):
-    for key, value in SLURM_TASK.items():
-        monkeypatch.setenv(key, value)
-    for key in ENV_KEYS:
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("MASTER_PORT", "29999")
+def test_values_already_set_are_never_overwritten(slurm_task_env):
+    os.environ["MASTER_PORT"] = "29999"
     exported = export_env_from_slurm()
     assert os.environ["MASTER_PORT"] == "29999" and "MASTER_PORT" not in exported
 
@@ -185,5 +189,6 @@ def test_the_sbatch_script_asks_for_the_world_the_config_describes():
                 "launcher.signal_delay_s=300", "+launcher.sbatch.exclusive=''")
     script = _make_sbatch_string(command="python -m x", folder="/tmp/f", **executor_parameters(cfg))
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4", "#SBATCH --partition=gpu",
-                 "#SBATCH --signal=USR1@300", "#SBATCH --requeue", "#SBATCH --time=60", "export SUBMITIT_PREEMPT_SIGNAL=USR1"):
+                 "#SBATCH --signal=USR1@300", "#SBATCH --requeue", "#SBATCH --time=60", "export SUBMITIT_PREEMPT_SIGNAL=USR1",
+                 "unset MASTER_ADDR MASTER_PORT RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE"):
         assert line in script
