@@ -9,6 +9,7 @@ import sys
 import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
 
 from conftest import FAST, read_metrics
 from train.config import load_config
@@ -63,7 +64,12 @@ def test_default_job_trains_to_90_percent_with_checkpoints_and_tensorboard(launc
     lrs = [e.value for e in events.Scalars("train/lr")]
     assert lrs[-1] < lrs[1]  # the cosine schedule decays
     assert all(e.value > 0 for e in events.Scalars("train/samples_per_s"))
-    assert (run_dir / "tb").glob("events.out.tfevents.*")
+
+    # Hyper-parameters (the HPARAMS view), with the derived global batch and lr among them.
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["plan.global_batch"].number_value == 128 and hparams["plan.lr"].number_value == 0.1
+    assert hparams["model.name"].string_value == "cnn"
 
     # Re-running the same command finds the run finished: nothing started, nothing rewritten.
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
