@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from launcher.slurm import recorded_jobs
+from train.metrics import read_records
 from train.status import read_status
 
 SUMMARY_FILE = "summary.csv"
@@ -32,24 +33,11 @@ def point_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml"))
 
 
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:  # a torn last line
-            pass
-    return records
-
-
 def summarize_point(run_dir: Path) -> dict:
     overrides = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
     plan_path = run_dir / "plan.json"
     plan = json.loads(plan_path.read_text()) if plan_path.exists() else {}
-    records = _records(run_dir)
+    records = read_records(run_dir)
     evals = [r for r in records if r["kind"] == "eval"]
     trains = [r for r in records if r["kind"] == "train"]
     timed = [r["time"] for r in records if "time" in r]

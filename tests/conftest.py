@@ -77,16 +77,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def logged_steps(run_dir: Path) -> list[int]:
     """Steps logged so far by a run that may be writing right now."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    steps = []
-    for line in path.read_text().splitlines():
-        try:
-            steps.append(json.loads(line)["step"])
-        except ValueError:  # a line being written right now
-            pass
-    return steps
+    from train.metrics import read_records
+
+    return [r["step"] for r in read_records(run_dir)]
 
 
 def final_checkpoint(run_dir: Path) -> dict:

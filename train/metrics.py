@@ -63,6 +63,20 @@ def build_metrics(env: DistEnv, run_dir: Path, start_step: int, hparams: dict) -
     return Metrics(run_dir, start_step, hparams, hparam_metrics=("eval/acc", "eval/loss"))
 
 
+def read_records(run_dir: Path) -> list[dict]:
+    """RUN_DIR/metrics.jsonl as dicts; a line torn by a crash (or being written right now) is skipped."""
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            pass
+    return records
+
+
 def _truncate_jsonl(path: Path, step: int) -> None:
     """Keep only the records up to `step` (those written before the checkpoint we resume from)."""
     if not path.exists():
