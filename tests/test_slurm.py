@@ -73,6 +73,7 @@ def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(clu
     assert sorted(plan["hosts"]) == ["n1", "n2"]  # the ranks really ran on both nodes
     assert plan["world_size"] == 2
     assert final_checkpoint(run_dir)["step"] == plan["total_steps"]
+    assert [r for r in read_metrics(run_dir) if r["kind"] == "eval"][-1]["acc"] > 0.5  # it learned (chance: 0.1)
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
 
     status = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(run_dir)], capture_output=True, text=True)
