@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,14 @@ def typed(*overrides: str):
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def wait_for(condition, timeout: float, what: str, poll: float = 0.05) -> None:
+    """Wait for `condition` to hold, polling; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
 
 
 def logged_steps(run_dir: Path) -> list[int]:

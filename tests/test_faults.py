@@ -9,12 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from conftest import FAST, final_checkpoint, fault_env, logged_steps, read_metrics, run_cli
+from conftest import FAST, final_checkpoint, fault_env, logged_steps, read_metrics, run_cli, wait_for
 from test_ddp_identity import IDENTITY, RESUME
 
 # Every piece of resumable state is in play (AdamW, dropout, augmentation, accumulation, clipping).
@@ -50,13 +49,6 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(laun
     train_steps = [r["step"] for r in records if r["kind"] == "train"]
     assert train_steps == sorted(set(train_steps))  # the replayed steps were not logged twice
     assert records[-2]["kind"] == "train" and records[-2]["restarts"] == 1  # the count is in the metrics
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def kill_leftovers(proc: subprocess.Popen, run_dir) -> None:
