@@ -11,7 +11,6 @@ from train.checkpoint import checkpoint_dir
 from train.dist import resolve_backend
 from train.optim import global_batch_size, scaled_lr
 
-
 SOURCES = {"digits": "(bundled with scikit-learn)", "synthetic": "(generated in memory)"}
 
 

@@ -49,7 +49,8 @@ def summarize_point(run_dir: Path) -> dict:
         "final_acc": evals[-1]["acc"] if evals else None,
         "best_acc": max(r["acc"] for r in evals) if evals else None,
         "final_loss": evals[-1]["loss"] if evals else None,
-        "samples_per_s": statistics.median(r["samples_per_s"] for r in trains) if trains else None,
+        # the first interval holds the warm-up (allocations, first-touch, compilation): left out when there are more
+        "samples_per_s": statistics.median(r["samples_per_s"] for r in trains[1:] or trains) if trains else None,
         "wall_time_s": timed[-1] - timed[0] if len(timed) > 1 else None,
         "slurm_jobs": " ".join(recorded_jobs(run_dir)) or None,
     }

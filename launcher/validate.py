@@ -23,6 +23,7 @@ from train.data import LOADERS, DatasetMissing, prepare
 from train.dist import resolve_backend
 from train.models import MODELS
 from train.optim import SCHEDULES
+from train.parallel import GRAD_COMPRESSIONS, MEMORY_FORMATS
 
 PRECISIONS = ("32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -138,6 +139,10 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
     _at_least(problems, "trainer.threads", t.threads, 0, "0 picks cores / local processes")
     _at_least(problems, "trainer.timeout_s", t.timeout_s, 1)
     _at_least(problems, "trainer.hang_timeout_s", t.hang_timeout_s, 0, "0 disables hang detection")
+    _at_least(problems, "trainer.stop_check_every", t.stop_check_every, 1)
+    _at_least(problems, "trainer.bucket_cap_mb", t.bucket_cap_mb, 1)
+    _choice(problems, "trainer.grad_compression", t.grad_compression, GRAD_COMPRESSIONS)
+    _choice(problems, "trainer.memory_format", t.memory_format, MEMORY_FORMATS)
     unknown = [name for name in t.stop_signals if name not in signal.Signals.__members__]
     if unknown:
         problems.append(f"trainer.stop_signals={t.stop_signals}: {', '.join(unknown)} is not a signal name (e.g. SIGTERM, SIGUSR2).")

@@ -114,6 +114,15 @@ def test_all_problems_are_reported_at_once(tmp_path):
     assert "data.batch_size" in message and "trainer.accumulate" in message and "optim.lr" in message
 
 
+def test_performance_options_are_checked(tmp_path):
+    message = problems("trainer.grad_compression=int8", "trainer.memory_format=nhwc", "trainer.stop_check_every=0",
+                       "trainer.bucket_cap_mb=0", run_dir=tmp_path)
+    assert "trainer.grad_compression='int8' is not one of: none, bf16, fp16" in message
+    assert "trainer.memory_format='nhwc' is not one of: auto, channels_last, contiguous" in message
+    assert "trainer.stop_check_every=0 must be at least 1" in message
+    assert "trainer.bucket_cap_mb=0 must be at least 1" in message
+
+
 def test_valid_default_config_passes(tmp_path):
     validate(typed(), tmp_path, cuda_devices=0)
 

@@ -73,6 +73,11 @@ class TrainerConfig:
     accumulate: int = 1  # micro-batches per optimizer step (gradients all-reduced on the last one only)
     grad_clip: float = 0.0  # clip the global gradient norm to this value; 0 disables clipping
     precision: str = "32"  # 32 | bf16 | fp16 (fp16 needs GPUs and uses a grad scaler)
+    bucket_cap_mb: int = 25  # DDP: size of the gradient buckets all-reduced while the backward pass goes on
+    static_graph: bool = False  # DDP: the same parameters are used in every step (lets DDP skip per-step checks)
+    grad_compression: str = "none"  # none | bf16 | fp16: all-reduce gradients in 16 bits (communication-bound runs)
+    compile: bool = False  # torch.compile the training module (GPU: fewer kernel launches; first steps compile)
+    memory_format: str = "auto"  # auto (channels_last for conv models on GPU) | channels_last | contiguous
     seed: int = 0  # seeds model init (same on every rank) and per-rank randomness (seed + rank)
     threads: int = 0  # CPU threads per process; 0 divides the machine's cores among the local processes
     log_every: int = 10  # optimizer steps between metric reductions (the only host syncs in training)
@@ -80,6 +85,7 @@ class TrainerConfig:
     timeout_s: int = 300  # collective timeout: a collective waiting longer than this fails the rank (not 30 min)
     hang_timeout_s: int = 300  # a rank that finishes no step (or eval batch) for this long reports its stacks and exits; 0 disables
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])  # save at the next step, then stop
+    stop_check_every: int = 10  # steps between the ranks' checks for a stop signal (a tiny all-reduce); a stop lands within this + 1 steps
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | off
 
 

@@ -9,16 +9,17 @@ import sys
 
 from train.dist import DistEnv
 
+STRAGGLER_RATIO = 1.5  # a rank this much slower than the median (step or data wait) is named on the console
+
 
 def _format(values: dict[str, float]) -> str:
     parts = []
     for key, value in values.items():
-        if key == "epoch" or (key == "restarts" and not value):
-            continue  # the epoch is shown on its own; restarts only once there were some
+        if key == "epoch" or (key == "restarts" and not value) or key.endswith(("_min_s", "_max_s", "_slowest_rank")):
+            continue  # the epoch is shown on its own; restarts once there were some; per-rank spread below
         if key == "restarts":
             parts.append(f"restarts {value:.0f}")
-            continue
-        if key == "lr":
+        elif key == "lr":
             parts.append(f"lr {value:.3g}")
         elif key == "samples_per_s":
             parts.append(f"{value:,.0f} samples/s")
@@ -28,6 +29,11 @@ def _format(values: dict[str, float]) -> str:
             parts.append(f"acc {value:.2%}")
         else:
             parts.append(f"{key} {value:.4f}")
+    for name in ("step_time", "data_time"):
+        median, slowest = values.get(f"{name}_s"), values.get(f"{name}_max_s")
+        if median is not None and slowest is not None and slowest > STRAGGLER_RATIO * median + 1e-3:
+            rank = values[f"{name}_slowest_rank"]
+            parts.append(f"slowest {name[:-5]}: rank {rank:.0f} {slowest * 1000:.1f} ms")
     return "  ".join(parts)
 
 
@@ -53,7 +59,14 @@ class LinesConsole:
 
 class BarConsole(LinesConsole):
     def __init__(self, total_steps: int, start_step: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         super().__init__(total_steps)
         self.bar = Progress(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gzip
 import pickle
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,15 +37,28 @@ class TensorData:
     mean: tuple[float, ...]  # per channel, after scaling to [0, 1]
     std: tuple[float, ...]
     scale: float = 1.0  # multiplies the stored values before normalisation (1/255 for uint8 images)
+    _affine: dict = field(default_factory=dict, repr=False, compare=False)  # device -> (multiplier, offset)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
-        shape = (1, -1, 1, 1)
-        mean = torch.tensor(self.mean, device=images.device).view(shape)
-        std = torch.tensor(self.std, device=images.device).view(shape)
-        return (images.float() * self.scale - mean) / std
+        """(images x scale - mean) / std, as one multiply-add with per-channel constants made once per device."""
+        if images.device not in self._affine:
+            shape = (1, -1, 1, 1)
+            std = torch.tensor(self.std, dtype=torch.float64).view(shape)
+            multiplier = (self.scale / std).float().to(images.device)
+            offset = (-torch.tensor(self.mean, dtype=torch.float64).view(shape) / std).float().to(images.device)
+            self._affine[images.device] = (multiplier, offset)
+        multiplier, offset = self._affine[images.device]
+        return torch.addcmul(offset, images.float(), multiplier)
+
+    def to(self, device: torch.device) -> TensorData:
+        return TensorData(self.images.to(device), self.labels.to(device), self.mean, self.std, self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.images.nbytes + self.labels.nbytes
 
 
 @dataclass

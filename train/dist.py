@@ -48,6 +48,7 @@ def pick_device(env: DistEnv, gpus: int) -> torch.device:
     if gpus > 0:
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True  # training shapes are fixed (full batches): tune once, reuse
         return device
     return torch.device("cpu")
 

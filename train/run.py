@@ -14,11 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from train import dist as distributed
-from train.batches import TrainBatches
-from train.checkpoint import CheckpointManager, checkpoint_dir, load, refuse_fresh_start_over
+from train.batches import TrainBatches, stage
+from train.checkpoint import (
+    CheckpointManager,
+    checkpoint_dir,
+    load,
+    refuse_fresh_start_over,
+)
 from train.config import TrainConfig, load_config, to_dict
 from train.console import build_console
 from train.data import Datasets, build_datasets
@@ -27,6 +31,7 @@ from train.evaluate import evaluate
 from train.metrics import build_metrics
 from train.models import build_model
 from train.optim import Plan, build_optimizer, build_scheduler, make_plan
+from train.parallel import memory_format, place, wrap_ddp
 from train.state import Progress, build_state, gather_rng, restore_state, seed_rank
 from train.status import write_status
 from train.step import Meter, build_autocast, train_step
@@ -75,7 +80,8 @@ class Run:
     data: Datasets
     plan: Plan
     model: torch.nn.Module  # the plain model: evaluation, checkpoints
-    ddp: DistributedDataParallel  # the same parameters, wrapped: training steps
+    ddp: torch.nn.Module  # the same parameters, wrapped (DDP, maybe compiled): training steps
+    memory_format: torch.memory_format  # of the model's weights and input batches
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
@@ -102,11 +108,13 @@ def resume_state(ckpt: CheckpointManager, env: DistEnv) -> dict | None:
 
 
 def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device) -> Run:
-    data = build_datasets(cfg.data)
+    data = stage(build_datasets(cfg.data), device)
     plan = make_plan(cfg, env.world_size, len(data.train))
     torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank
-    model = build_model(cfg.model, data.spec).to(device)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = build_model(cfg.model, data.spec)
+    fmt = memory_format(cfg.trainer, model, device)
+    model = place(model, device, fmt)
+    ddp = wrap_ddp(model, cfg.trainer, device)
     optimizer = build_optimizer(cfg.optim, model, plan.lr)
     scheduler = build_scheduler(optimizer, cfg.optim.schedule, plan)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.trainer.precision == "fp16")
@@ -120,7 +128,7 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device) -
         progress = restore_state(state, **parts)
         ckpt.saved_step = progress.step
     return Run(
-        cfg, run_dir, env, device, data, plan, model, ddp, optimizer, scheduler, scaler,
+        cfg, run_dir, env, device, data, plan, model, ddp, fmt, optimizer, scheduler, scaler,
         build_autocast(cfg.trainer.precision, device), ckpt, progress, resumed=state is not None,
     )
 
@@ -162,10 +170,11 @@ def fit(run: Run) -> Outcome:
     if env.is_main:
         (run.run_dir / PLAN_FILE).write_text(json.dumps({**plan.to_dict(), "hosts": hosts}, indent=2) + "\n")
     console.print(describe_plan(run))
-    stop = StopRequest(cfg.trainer.stop_signals)
+    stop = StopRequest(cfg.trainer.stop_signals, cfg.trainer.stop_check_every)
     watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s)
     batches = TrainBatches(
-        run.data.train, cfg.data.batch_size, env.rank, env.world_size, cfg.trainer.seed, cfg.data.augment, run.device
+        run.data.train, cfg.data.batch_size, env.rank, env.world_size, cfg.trainer.seed, cfg.data.augment, run.device,
+        run.memory_format,
     )
     meter = Meter(run.device)
     result: dict[str, float] = {}
@@ -194,7 +203,7 @@ def fit(run: Run) -> Outcome:
                 meter.restart_clock()
             if progress.step >= plan.stop_step:
                 break
-            if stop.agreed():
+            if stop.agreed(progress.step):
                 watchdog.beat(progress.step, "saving a checkpoint before stopping")
                 save_checkpoint(run)
                 stopped = True

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from train.config import TrainerConfig
+from train.parallel import no_sync
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,20 +41,41 @@ class Meter:
         self.data_time = 0.0
 
     def reduce(self, global_batch: int) -> dict[str, float]:
-        """Average the loss over ranks and steps since the last call (collective), and time the interval."""
-        loss = self.loss_sum.detach().clone()
-        dist.all_reduce(loss)
+        """Loss averaged over ranks and steps since the last call, throughput, and every rank's timing (collective).
+
+        One all_gather carries each rank's loss sum, step time and data-wait time: a straggler or a data stall
+        shows up by rank, and the interval costs a single collective.
+        """
         elapsed = time.perf_counter() - self.clock
+        steps = max(1, self.timed_steps)
+        mine = torch.stack([
+            self.loss_sum.detach().float(),
+            torch.tensor(elapsed / steps, device=self.loss_sum.device),
+            torch.tensor(self.data_time / steps, device=self.loss_sum.device),
+        ])
+        table = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(table, mine)
+        loss, step_time, data_time = torch.stack(table).double().cpu().unbind(1)  # one value per rank each
         values = {
-            "loss": loss.item() / dist.get_world_size() / max(1, self.steps),
+            "loss": loss.sum().item() / dist.get_world_size() / max(1, self.steps),
             "samples_per_s": self.timed_steps * global_batch / elapsed,
-            "step_time_s": elapsed / max(1, self.timed_steps),
-            "data_time_s": self.data_time / max(1, self.timed_steps),
+            **spread("step_time", step_time),
+            **spread("data_time", data_time),
         }
         self.loss_sum.zero_()
         self.steps = 0
         self.restart_clock()
         return values
+
+
+def spread(name: str, per_rank: torch.Tensor) -> dict[str, float]:
+    """NAME_s (the median over ranks), NAME_min_s, NAME_max_s and NAME_slowest_rank."""
+    return {
+        f"{name}_s": per_rank.median().item(),
+        f"{name}_min_s": per_rank.min().item(),
+        f"{name}_max_s": per_rank.max().item(),
+        f"{name}_slowest_rank": int(per_rank.argmax()),
+    }
 
 
 def train_step(
@@ -72,7 +94,7 @@ def train_step(
         meter.data_time += time.perf_counter() - start
         # DDP all-reduces gradients on the last micro-step only; the others just accumulate locally.
         last = micro == cfg.accumulate - 1
-        with contextlib.nullcontext() if last else model.no_sync():
+        with contextlib.nullcontext() if last else no_sync(model):
             with autocast():
                 loss = F.cross_entropy(model(images), labels) / cfg.accumulate
             scaler.scale(loss).backward()

@@ -5,6 +5,7 @@ restart runs clean):
   FAULT=kill    SIGKILL itself at the start of optimizer step FAULT_STEP
   FAULT=hang    block forever at the start of optimizer step FAULT_STEP
   FAULT=config  fail while loading the config snapshot (a bad rank at start-up)
+  FAULT=slow_data  wait FAULT_DELAY_MS (default 50) before each training batch of this rank: a data stall
 """
 
 import os
@@ -26,6 +27,17 @@ if (
             raise ValueError(f"injected config error on rank {os.environ['RANK']}")
 
         train.config.load_config = broken_load_config
+    elif kind == "slow_data":
+        import train.batches
+
+        epoch, delay = train.batches.TrainBatches.epoch, int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
+
+        def slow_epoch(self, *args, **kwargs):
+            for batch in epoch(self, *args, **kwargs):
+                threading.Event().wait(delay)
+                yield batch
+
+        train.batches.TrainBatches.epoch = slow_epoch
     else:
         train_step, calls = train.step.train_step, [0]
 

@@ -1,0 +1,48 @@
+"""Smoke runs of the benchmark scripts, so they keep working: tiny sizes, figures checked for consistency only
+(the figures themselves are benchmarks/README.md's business, never asserted)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+
+from conftest import FAST, REPO, read_metrics, run_cli
+
+
+def test_overhead_benchmark_runs_both_loops_and_reports_their_ratio(tmp_path):
+    out = tmp_path / "overhead.json"
+    proc = run_cli("benchmarks.overhead", "--smoke", "--regime", "mlp", "--out", str(out), cwd=REPO, timeout=600)
+    assert proc.returncode == 0
+    report = json.loads(out.read_text())
+    mlp = report["regimes"]["mlp"]
+    for variant in ("ours", "raw"):
+        assert len(mlp[variant]["samples_per_s"]) == 1 and mlp[variant]["samples_per_s"][0] > 0
+        assert mlp[variant]["startup_s"][0] > 0
+    assert mlp["ratio"] == mlp["median_samples_per_s"]["ours"] / mlp["median_samples_per_s"]["raw"]
+    assert f"{mlp['ratio']:.3f}" in proc.stdout  # the printed table shows the same figure
+
+
+def test_scaling_report_sweeps_the_world_size_and_plots_it(tmp_path):
+    sweep = tmp_path / "scaling"
+    overrides = [*FAST, "model=mlp", "model.hidden=[32]", "data=synthetic", "data.num_samples=512",
+                 "data.batch_size=16", "trainer.epochs=1", "trainer.log_every=4"]
+    proc = run_cli("benchmarks.scaling", "--sizes", "1,2", "--out", str(sweep), *overrides, cwd=REPO, timeout=600)
+    assert proc.returncode == 0
+    rows = list(csv.DictReader((sweep / "scaling.csv").open()))
+    assert [int(r["world_size"]) for r in rows] == [1, 2]
+    assert [int(r["global_batch"]) for r in rows] == [16, 32]  # the per-process batch is fixed
+    assert float(rows[0]["speedup"]) == 1.0 and float(rows[0]["efficiency"]) == 1.0
+    assert abs(float(rows[1]["efficiency"]) - float(rows[1]["speedup"]) / 2) < 1e-9
+    for row in rows:  # the table's figures are those of the points' own metrics
+        records = read_metrics(sweep / row["point"])
+        train = [r["samples_per_s"] for r in records if r["kind"] == "train"]
+        assert abs(float(row["samples_per_s"]) - statistics.median(train[1:])) < 1e-6 * float(row["samples_per_s"])
+        assert float(row["final_acc"]) == [r for r in records if r["kind"] == "eval"][-1]["acc"]
+
+    import matplotlib.image
+
+    png = sweep / "scaling.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width, _ = matplotlib.image.imread(png).shape
+    assert (width, height) == (1000, 750)  # the 2 x 2 panels at 100 dpi

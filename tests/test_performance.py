@@ -1,0 +1,60 @@
+"""Performance features that change what is logged or how gradients travel, checked with real processes:
+per-rank timing that names a straggling rank, DDP options that keep the data-parallel identity, and gradient
+compression that is really applied. Throughput itself is measured by benchmarks/, never asserted here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import fault_env, final_checkpoint, read_metrics
+from test_ddp_identity import IDENTITY
+
+STALL_MS = 60
+
+
+def test_a_data_stall_on_one_rank_is_logged_by_rank(launch, tmp_path):
+    env = {**fault_env("slow_data", rank=1), "FAULT_DELAY_MS": str(STALL_MS)}
+    proc = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.max_steps=12",
+                  "trainer.log_every=4", f"hydra.run.dir={tmp_path / 'run'}", env=env)
+    assert proc.returncode == 0
+    train = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [4, 8, 12]
+    for r in train:
+        assert r["data_time_slowest_rank"] == 1
+        assert r["data_time_max_s"] >= STALL_MS / 1000  # rank 1 waited at least the injected delay per batch
+        assert r["data_time_min_s"] < STALL_MS / 1000 / 2  # rank 0 did not
+        assert r["data_time_min_s"] <= r["data_time_s"] <= r["data_time_max_s"]
+        # Gradient synchronisation makes the healthy rank wait for the stalled one: every rank's step slows.
+        assert r["step_time_min_s"] >= STALL_MS / 1000 * 0.9
+    assert "slowest data: rank 1" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def two_process_default_ddp(tmp_path_factory):
+    from conftest import run_cli
+
+    tmp = tmp_path_factory.mktemp("ddp")
+    proc = run_cli("launcher", *IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
+    assert proc.returncode == 0
+    return final_checkpoint(tmp / "run")["model"]
+
+
+def test_small_buckets_and_a_static_graph_give_the_same_weights(launch, tmp_path, two_process_default_ddp):
+    proc = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.bucket_cap_mb=1",
+                  "trainer.static_graph=true", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0
+    weights = final_checkpoint(tmp_path / "run")["model"]
+    for name, expected in two_process_default_ddp.items():
+        torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
+
+
+def test_bf16_gradient_compression_is_applied_and_stays_close(launch, tmp_path, two_process_default_ddp):
+    proc = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.grad_compression=bf16",
+                  f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0
+    weights = final_checkpoint(tmp_path / "run")["model"]
+    diff = max((weights[k] - v).abs().max().item() for k, v in two_process_default_ddp.items())
+    # bf16 keeps 8 bits of mantissa: the all-reduced gradients are rounded (so the weights differ), but only a little.
+    assert 1e-6 < diff < 1e-2
