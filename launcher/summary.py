@@ -9,9 +9,14 @@ from launcher.local import procs_per_node, world_size
 from launcher.schema import Config
 from train.checkpoint import checkpoint_dir
 from train.dist import resolve_backend
-from train.optim import global_batch_size, scaled_lr
+from train.optim import global_batch_size, replicas, scaled_lr
 
 SOURCES = {"digits": "(bundled with scikit-learn)", "synthetic": "(generated in memory)"}
+STRATEGY_NOTES = {
+    "ddp": "ddp: the whole model on every process, the batch split {world} ways",
+    "fsdp": "fsdp: parameters, gradients and optimizer state sharded {world} ways, block by block",
+    "pipeline": "pipeline: {world} stages of consecutive blocks, {microbatches} microbatches per batch, {schedule}",
+}
 
 
 def _devices(cfg: Config) -> str:
@@ -35,10 +40,11 @@ def summary(cfg: Config, run_dir: Path, changed: list[str]) -> str:
     rows = [
         ("run dir", str(run_dir)),
         ("world", f"{world} processes = {t.nodes} node(s) x {procs_per_node(cfg)}, backend {resolve_backend(t.backend, t.gpus)}"),
+        ("strategy", STRATEGY_NOTES[t.strategy].format(world=world, microbatches=t.microbatches, schedule=t.pipeline_schedule)),
         ("devices", _devices(cfg)),
         ("model", f"{cfg.model.name} (width {cfg.model.width})" if cfg.model.name != "mlp" else f"mlp {cfg.model.hidden}"),
         ("data", f"{cfg.data.name} {SOURCES.get(cfg.data.name, f'from {cfg.data.root}')}"),
-        ("batch", f"{cfg.data.batch_size} per process x {world} processes x {t.accumulate} accumulation = global batch {batch}"),
+        ("batch", f"{cfg.data.batch_size} per replica x {replicas(cfg, world)} replica(s) x {t.accumulate} accumulation = global batch {batch}"),
         ("optim", f"{o.name}, lr {lr:.4g}{lr_note}, warmup {o.schedule.warmup_epochs:g} epoch(s), "
                   f"{o.schedule.name} schedule over {t.epochs} epochs, precision {t.precision}"),
         ("start", start),

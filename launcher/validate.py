@@ -16,14 +16,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
+from launcher.local import world_size
 from launcher.schema import Config
 from train.checkpoint import refuse_fresh_start_over
 from train.console import PROGRESS_MODES
-from train.data import LOADERS, DatasetMissing, prepare
+from train.data import LOADERS, DatasetMissing, data_spec, prepare
 from train.dist import resolve_backend
-from train.models import MODELS
+from train.models import MODELS, blocks, build_model
 from train.optim import SCHEDULES
 from train.parallel import GRAD_COMPRESSIONS, MEMORY_FORMATS
+from train.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from train.strategies import STRATEGIES
 
 PRECISIONS = ("32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -160,6 +163,51 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
     _choice(problems, "launcher.name", cfg.launcher.name, LAUNCHERS)
 
 
+def _model_blocks(cfg: Config) -> int:
+    """How many blocks the configured model declares, built on the meta device (no memory, no data read)."""
+    with torch.device("meta"):
+        return len(blocks(build_model(cfg.model, data_spec(cfg.data))))
+
+
+def _check_strategy(cfg: Config, problems: list[str]) -> None:
+    t = cfg.trainer
+    if not _choice(problems, "trainer.strategy", t.strategy, sorted(STRATEGIES)):
+        return
+    if t.strategy != "ddp":
+        for key, value, default in (("trainer.grad_compression", t.grad_compression, "none"),
+                                    ("trainer.static_graph", t.static_graph, False), ("trainer.compile", t.compile, False)):
+            if value != default:
+                problems.append(f"{key}={value} applies to trainer.strategy=ddp only: leave it out with trainer.strategy={t.strategy}.")
+        if t.precision == "fp16":
+            problems.append(f"trainer.precision=fp16 needs a gradient scaler, which trainer.strategy={t.strategy} does not "
+                            f"use here: use trainer.precision=bf16 (no scaler needed).")
+    if t.fsdp_cpu_offload and (t.strategy != "fsdp" or t.gpus == 0):
+        problems.append("trainer.fsdp_cpu_offload=true needs trainer.strategy=fsdp on GPUs (trainer.gpus > 0).")
+    if t.strategy != "pipeline":
+        return
+    world = world_size(cfg)
+    _at_least(problems, "trainer.microbatches", t.microbatches, 1)
+    _choice(problems, "trainer.pipeline_schedule", t.pipeline_schedule, sorted(PIPELINE_SCHEDULES))
+    if world < 2:
+        problems.append("trainer.strategy=pipeline needs at least 2 processes, one per stage: set "
+                        "trainer.procs_per_node=2 (or trainer.gpus=2), or use trainer.strategy=ddp.")
+    if t.microbatches >= 1 and cfg.data.batch_size % t.microbatches:
+        problems.append(f"data.batch_size={cfg.data.batch_size} does not split into trainer.microbatches={t.microbatches} "
+                        f"equal microbatches: use a multiple of {t.microbatches}, or another trainer.microbatches.")
+    if t.pipeline_schedule == "1f1b" and t.microbatches < world:
+        problems.append(f"trainer.pipeline_schedule=1f1b needs at least as many microbatches as stages ({world}): set "
+                        f"trainer.microbatches={world} or more, or trainer.pipeline_schedule=gpipe.")
+    if cfg.model.name in MODELS and cfg.data.name in LOADERS and world >= 2:
+        count = _model_blocks(cfg)
+        if count < world:
+            hint = " (for mlp: more model.hidden layers)" if cfg.model.name == "mlp" else ""
+            problems.append(
+                f"trainer.strategy=pipeline cuts the model into {world} stages (one per process) between its blocks, but "
+                f"model.name={cfg.model.name} declares {count} block(s): use {count} process(es) or fewer, or a "
+                f"model with more blocks{hint}."
+            )
+
+
 def _check_files(cfg: Config, run_dir: Path, problems: list[str]) -> None:
     if _choice(problems, "data.name", cfg.data.name, sorted(LOADERS)):
         try:
@@ -218,6 +266,7 @@ def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> Non
     if cfg.launcher.name == "slurm":
         _check_slurm(cfg, problems)
     _check_training(cfg, problems)
+    _check_strategy(cfg, problems)
     _check_files(cfg, run_dir, problems)
     if problems:
         raise ConfigError(problems)

@@ -95,3 +95,37 @@ def final_checkpoint(run_dir: Path) -> dict:
     files = sorted((run_dir / "checkpoints").glob("step_*.pt"))
     assert files, f"no checkpoint in {run_dir}"
     return torch.load(files[-1], weights_only=True)
+
+
+# SGD with momentum on an MLP without dropout or batch norm: nothing that depends on the per-rank batch.
+IDENTITY = [
+    *FAST,
+    "data=synthetic",
+    "data.num_samples=512",
+    "model=mlp",
+    "model.hidden=[64,32]",
+    "optim.lr=0.05",
+    "trainer.epochs=3",
+    "trainer.max_steps=24",  # 1.5 epochs: crosses an epoch boundary (reshuffle with set_epoch)
+    "trainer.eval_every=0",
+    "trainer.log_every=8",
+]
+
+
+def _reference_run(tmp_path_factory, name: str, *overrides: str) -> Path:
+    tmp = tmp_path_factory.mktemp(name)
+    proc = run_cli("launcher", *IDENTITY, *overrides, f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
+    assert proc.returncode == 0
+    return tmp / "run"
+
+
+@pytest.fixture(scope="session")
+def one_process_batch_32(tmp_path_factory) -> dict:
+    """The final checkpoint of IDENTITY on 1 process with batch 32: what every parallel layout must reach."""
+    return final_checkpoint(_reference_run(tmp_path_factory, "single", "trainer.procs_per_node=1", "data.batch_size=32"))
+
+
+@pytest.fixture(scope="session")
+def two_process_ddp(tmp_path_factory) -> Path:
+    """The run directory of IDENTITY under DDP on 2 processes with batch 16 each (global batch 32)."""
+    return _reference_run(tmp_path_factory, "ddp", "trainer.procs_per_node=2", "data.batch_size=16")

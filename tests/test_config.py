@@ -123,6 +123,21 @@ def test_performance_options_are_checked(tmp_path):
     assert "trainer.bucket_cap_mb=0 must be at least 1" in message
 
 
+def test_strategy_combinations_are_checked_before_start(tmp_path):
+    message = problems("trainer.strategy=pipeline", "trainer.procs_per_node=1", "data.batch_size=30", run_dir=tmp_path)
+    assert "trainer.strategy=pipeline needs at least 2 processes" in message
+    assert "data.batch_size=30 does not split into trainer.microbatches=4 equal microbatches" in message
+    message = problems("trainer.strategy=pipeline", "trainer.procs_per_node=3", "trainer.microbatches=2", run_dir=tmp_path)
+    assert "trainer.pipeline_schedule=1f1b needs at least as many microbatches as stages (3)" in message
+    message = problems("trainer.strategy=pipeline", "trainer.procs_per_node=4", run_dir=tmp_path)  # the cnn has 3 blocks
+    assert "model.name=cnn declares 3 block(s): use 3 process(es) or fewer" in message
+    message = problems("trainer.strategy=fsdp", "trainer.grad_compression=bf16", "trainer.fsdp_cpu_offload=true", run_dir=tmp_path)
+    assert "trainer.grad_compression=bf16 applies to trainer.strategy=ddp only" in message
+    assert "trainer.fsdp_cpu_offload=true needs trainer.strategy=fsdp on GPUs" in message
+    assert "trainer.strategy='zero' is not one of: ddp, fsdp, pipeline" in problems("trainer.strategy=zero", run_dir=tmp_path)
+    validate(typed("trainer.strategy=pipeline", "trainer.procs_per_node=3"), tmp_path, cuda_devices=0)  # 3 blocks, 3 stages
+
+
 def test_valid_default_config_passes(tmp_path):
     validate(typed(), tmp_path, cuda_devices=0)
 

@@ -13,7 +13,7 @@ import torch
 from train.batches import TrainBatches, augment
 from train.config import DataConfig, ModelConfig
 from train.data import DatasetMissing, TensorData, build_datasets, check_available, read_idx
-from train.models import MODELS, build_model
+from train.models import MODELS, blocks, build_model
 
 
 def write_idx(path, array: np.ndarray, compress: bool) -> None:
@@ -129,5 +129,6 @@ def test_resnet18_is_the_cifar_variant():
 
     model = build_model(ModelConfig(name="resnet18", width=64), DataSpec(3, 32, 10))
     assert model.stem[0].kernel_size == (3, 3) and model.stem[0].stride == (1, 1)
+    assert len(blocks(model)) == 10  # stem, 4 stages x 2 basic blocks, head
     assert not any(isinstance(m, torch.nn.MaxPool2d) for m in model.modules())
     assert 11_000_000 < sum(p.numel() for p in model.parameters()) < 11_300_000  # ResNet-18's ~11.2M

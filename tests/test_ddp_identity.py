@@ -9,35 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAST, final_checkpoint, read_metrics
+from conftest import FAST, IDENTITY, final_checkpoint, read_metrics
 from train.config import ModelConfig
 from train.data import DataSpec
 from train.models import build_model
-
-# SGD with momentum on an MLP without dropout or batch norm: nothing that depends on the per-rank batch.
-IDENTITY = [
-    *FAST,
-    "data=synthetic",
-    "data.num_samples=512",
-    "model=mlp",
-    "model.hidden=[64,32]",
-    "optim.lr=0.05",
-    "trainer.epochs=3",
-    "trainer.max_steps=24",  # 1.5 epochs: crosses an epoch boundary (reshuffle with set_epoch)
-    "trainer.eval_every=0",
-    "trainer.log_every=8",
-]
-
-
-@pytest.fixture(scope="module")
-def one_process_batch_32(tmp_path_factory):
-    from conftest import run_cli
-
-    tmp = tmp_path_factory.mktemp("single")
-    proc = run_cli("launcher", *IDENTITY, "trainer.procs_per_node=1", "data.batch_size=32", f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
-    assert proc.returncode == 0
-    return final_checkpoint(tmp / "run")
-
 
 @pytest.mark.parametrize("batch,accumulate", [(16, 1), (8, 2)])
 def test_two_processes_match_one_process_with_the_global_batch(launch, tmp_path, one_process_batch_32, batch, accumulate):

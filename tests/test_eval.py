@@ -12,9 +12,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+from train.config import TrainerConfig
 from train.data import TensorData
 from train.dist import DistEnv
 from train.evaluate import evaluate
+from train.parallel import Strategy
 
 N = 101  # prime: no world size above 1 divides it
 
@@ -39,7 +41,7 @@ def reference() -> dict[str, float]:
     }
 
 
-def _worker(rank: int, world: int, store_path: str, out: dict) -> None:
+def _worker(rank: int, world: int, batch_size: int, lockstep: bool, store_path: str, out: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
         data, model = make_case()
@@ -47,16 +49,19 @@ def _worker(rank: int, world: int, store_path: str, out: dict) -> None:
             for buffer in model.buffers():
                 buffer.add_(7)
         env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
-        out[rank] = evaluate(model, data, batch_size=16, env=env, device=torch.device("cpu"), autocast=contextlib.nullcontext)
+        strategy = Strategy(model, TrainerConfig(), env, torch.device("cpu"))
+        strategy.lockstep_eval = lockstep  # FSDP's way: ranks with fewer batches run empty ones
+        out[rank] = evaluate(strategy, data, batch_size=batch_size, device=torch.device("cpu"), autocast=contextlib.nullcontext)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_distributed_eval_equals_single_process_eval(tmp_path, world):
+# (3, 11, lockstep): shares of 34, 34 and 33 samples make 4, 4 and 3 batches; the last rank runs an empty one.
+@pytest.mark.parametrize("world,batch_size,lockstep", [(2, 16, False), (3, 16, False), (3, 11, True)])
+def test_distributed_eval_equals_single_process_eval(tmp_path, world, batch_size, lockstep):
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(world, str(tmp_path / "store"), out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, batch_size, lockstep, str(tmp_path / "store"), out), nprocs=world, join=True)
         results = dict(out)
     expected = reference()
     for rank in range(world):

@@ -5,11 +5,9 @@ compression that is really applied. Throughput itself is measured by benchmarks/
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from conftest import fault_env, final_checkpoint, read_metrics
-from test_ddp_identity import IDENTITY
+from conftest import IDENTITY, fault_env, final_checkpoint, read_metrics
 
 STALL_MS = 60
 
@@ -31,30 +29,21 @@ def test_a_data_stall_on_one_rank_is_logged_by_rank(launch, tmp_path):
     assert "slowest data: rank 1" in proc.stdout
 
 
-@pytest.fixture(scope="module")
-def two_process_default_ddp(tmp_path_factory):
-    from conftest import run_cli
-
-    tmp = tmp_path_factory.mktemp("ddp")
-    proc = run_cli("launcher", *IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
-    assert proc.returncode == 0
-    return final_checkpoint(tmp / "run")["model"]
-
-
-def test_small_buckets_and_a_static_graph_give_the_same_weights(launch, tmp_path, two_process_default_ddp):
+def test_small_buckets_and_a_static_graph_give_the_same_weights(launch, tmp_path, two_process_ddp):
     proc = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.bucket_cap_mb=1",
                   "trainer.static_graph=true", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0
     weights = final_checkpoint(tmp_path / "run")["model"]
-    for name, expected in two_process_default_ddp.items():
+    for name, expected in final_checkpoint(two_process_ddp)["model"].items():
         torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
 
 
-def test_bf16_gradient_compression_is_applied_and_stays_close(launch, tmp_path, two_process_default_ddp):
+def test_bf16_gradient_compression_is_applied_and_stays_close(launch, tmp_path, two_process_ddp):
     proc = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.grad_compression=bf16",
                   f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0
     weights = final_checkpoint(tmp_path / "run")["model"]
-    diff = max((weights[k] - v).abs().max().item() for k, v in two_process_default_ddp.items())
+    reference = final_checkpoint(two_process_ddp)["model"]
+    diff = max((weights[k] - v).abs().max().item() for k, v in reference.items())
     # bf16 keeps 8 bits of mantissa: the all-reduced gradients are rounded (so the weights differ), but only a little.
     assert 1e-6 < diff < 1e-2

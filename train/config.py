@@ -73,6 +73,10 @@ class TrainerConfig:
     accumulate: int = 1  # micro-batches per optimizer step (gradients all-reduced on the last one only)
     grad_clip: float = 0.0  # clip the global gradient norm to this value; 0 disables clipping
     precision: str = "32"  # 32 | bf16 | fp16 (fp16 needs GPUs and uses a grad scaler)
+    strategy: str = "ddp"  # ddp (copy the model, split the batch) | fsdp (shard parameters, grads, optimizer state) | pipeline (a stage of blocks per process)
+    microbatches: int = 4  # pipeline: microbatches each batch is cut into (data.batch_size must divide evenly)
+    pipeline_schedule: str = "1f1b"  # pipeline: gpipe (all forwards, then all backwards) | 1f1b (alternating: fewer activations held)
+    fsdp_cpu_offload: bool = False  # fsdp on GPUs: keep parameters, gradients and optimizer state in host memory
     bucket_cap_mb: int = 25  # DDP: size of the gradient buckets all-reduced while the backward pass goes on
     static_graph: bool = False  # DDP: the same parameters are used in every step (lets DDP skip per-step checks)
     grad_compression: str = "none"  # none | bf16 | fp16: all-reduce gradients in 16 bits (communication-bound runs)

@@ -261,10 +261,22 @@ def _resize(data: TensorData, size: int) -> TensorData:
     return TensorData(images, data.labels, data.mean, data.std)
 
 
+NATIVE_SHAPES = {"digits": (1, 8), "mnist": (1, 28), "fashion_mnist": (1, 28), "cifar10": (3, 32)}  # channels, side
+
+
+def data_spec(cfg: DataConfig) -> DataSpec:
+    """The shape of a data set's samples, known without reading it (the launcher checks models against it)."""
+    if cfg.name == "synthetic":
+        channels, side, classes = cfg.channels, cfg.image_size or 16, cfg.num_classes
+    else:
+        (channels, side), classes = NATIVE_SHAPES[cfg.name], 10
+    return DataSpec(channels=channels, image_size=cfg.image_size or side, num_classes=classes)
+
+
 def build_datasets(cfg: DataConfig) -> Datasets:
     train, evals = LOADERS[cfg.name](cfg)
     if cfg.image_size:
         train, evals = _resize(train, cfg.image_size), _resize(evals, cfg.image_size)
-    num_classes = cfg.num_classes if cfg.name == "synthetic" else 10
-    spec = DataSpec(channels=train.images.shape[1], image_size=train.images.shape[-1], num_classes=num_classes)
+    spec = data_spec(cfg)
+    assert train.images.shape[1:] == (spec.channels, spec.image_size, spec.image_size), (train.images.shape, spec)
     return Datasets(train, evals, spec)

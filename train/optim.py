@@ -17,7 +17,8 @@ from train.config import OptimConfig, ScheduleConfig, TrainConfig
 
 @dataclass(frozen=True)
 class Plan:
-    world_size: int
+    world_size: int  # processes
+    replicas: int  # data-parallel copies of the model: world size, or 1 for a pipeline (every stage sees every sample)
     global_batch: int  # samples per optimizer step, all ranks and micro-steps together
     lr: float  # peak lr after the linear scaling rule (if enabled)
     steps_per_epoch: int  # optimizer steps per epoch
@@ -33,24 +34,31 @@ def scaled_lr(cfg: OptimConfig, global_batch: int) -> float:
     return cfg.lr * global_batch / cfg.reference_batch_size if cfg.scale_lr else cfg.lr
 
 
+def replicas(cfg: TrainConfig, world_size: int) -> int:
+    """How many processes read different samples: all of them, except in a pipeline (one model across them)."""
+    return 1 if cfg.trainer.strategy == "pipeline" else world_size
+
+
 def global_batch_size(cfg: TrainConfig, world_size: int) -> int:
-    return cfg.data.batch_size * world_size * cfg.trainer.accumulate
+    return cfg.data.batch_size * replicas(cfg, world_size) * cfg.trainer.accumulate
 
 
 def make_plan(cfg: TrainConfig, world_size: int, train_size: int) -> Plan:
-    per_rank = math.ceil(train_size / world_size)  # DistributedSampler pads to this
+    copies = replicas(cfg, world_size)
+    per_rank = math.ceil(train_size / copies)  # DistributedSampler pads to this
     steps_per_epoch = per_rank // cfg.data.batch_size // cfg.trainer.accumulate
     if steps_per_epoch < 1:
         raise ValueError(
             f"data.batch_size={cfg.data.batch_size} x trainer.accumulate={cfg.trainer.accumulate} is larger than "
-            f"one process's share of the training set ({per_rank} of {train_size} samples on {world_size} "
-            f"processes): lower data.batch_size or trainer.accumulate."
+            f"one replica's share of the training set ({per_rank} of {train_size} samples on {copies} "
+            f"replicas): lower data.batch_size or trainer.accumulate."
         )
     total = cfg.trainer.epochs * steps_per_epoch
     stop = min(total, cfg.trainer.max_steps) if cfg.trainer.max_steps > 0 else total
     batch = global_batch_size(cfg, world_size)
     return Plan(
         world_size=world_size,
+        replicas=copies,
         global_batch=batch,
         lr=scaled_lr(cfg.optim, batch),
         steps_per_epoch=steps_per_epoch,

@@ -1,21 +1,105 @@
-"""How the model is placed on its device and wrapped for data-parallel training.
+"""How the model is spread over the processes: the Strategy interface, and DDP (the default) behind it.
 
-The plain model stays the one that evaluation and checkpoints see; the wrapper (DDP, possibly compiled) only
-runs training steps over the same parameters.
+A strategy owns this rank's part of the model and answers everything the loop, evaluation and checkpoints need
+from it: one micro-step's forward and backward, gradient clipping, evaluation logits, and full (unsharded,
+single-device) state dicts. `train.sharded` (FSDP2) and `train.pipeline` implement the same interface, so
+`train.run` never asks which strategy it runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-from torch import nn
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from train.config import TrainerConfig
+from train.dist import DistEnv
 
 COMPRESSED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD_COMPRESSIONS = ("none", *COMPRESSED_DTYPES)
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
+
+
+class Strategy:
+    name = ""
+    lockstep_eval = False  # evaluation forwards hold collectives: every rank must run as many as the others
+
+    def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv, device: torch.device):
+        self.model = model  # this rank's part of the model, as plain modules (evaluation, state dicts)
+        self.cfg = cfg
+        self.env = env
+        self.device = device
+        self.replicas = env.world_size  # processes that read different samples
+        self.replica_rank = env.rank  # which share of the samples this process reads
+
+    def parameters(self):
+        """The parameters this rank's optimizer updates."""
+        return self.model.parameters()
+
+    def forward_backward(self, images, labels, *, sync: bool, accumulate: int, autocast, scaler) -> torch.Tensor:
+        """One micro-step. Gradients are synchronised only when `sync` (the last micro-step of an optimizer step).
+        Returns this rank's loss / accumulate, detached (zero on ranks that compute no loss)."""
+        raise NotImplementedError
+
+    def clip_grad_norm(self, max_norm: float) -> None:
+        nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    @torch.no_grad()
+    def eval_logits(self, images: torch.Tensor) -> torch.Tensor | None:
+        """Logits for an evaluation batch; None on ranks that do not produce them."""
+        return self.model(images)
+
+    def sync_buffers(self) -> None:
+        """Give every replica rank 0's buffers (BatchNorm running statistics drift apart between replicas)."""
+        for buffer in self.model.buffers():
+            dist.broadcast(buffer, src=0)
+
+    def model_state(self) -> dict:
+        """The whole model's plain state dict (what a single device loads), complete on rank 0. Collective."""
+        return self.model.state_dict()
+
+    def load_model_state(self, state: dict) -> None:
+        self.model.load_state_dict(state)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer):
+        """The optimizer state to checkpoint, complete on rank 0. Collective."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state) -> None:
+        optimizer.load_state_dict(state)
+
+    def memory(self, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+        """Bytes of parameters and of optimizer state held by this rank (its shards only)."""
+        params = sum(_local_bytes(p) for p in self.model.parameters())
+        state = sum(_local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+        return params, state
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+class DDPStrategy(Strategy):
+    """Every rank holds the whole model; gradients are averaged by DDP during the backward pass."""
+
+    name = "ddp"
+
+    def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv, device: torch.device):
+        super().__init__(model, cfg, env, device)
+        self.module = wrap_ddp(model, cfg, device)
+
+    def forward_backward(self, images, labels, *, sync: bool, accumulate: int, autocast, scaler) -> torch.Tensor:
+        with contextlib.nullcontext() if sync else no_sync(self.module):
+            with autocast():
+                loss = F.cross_entropy(self.module(images), labels) / accumulate
+            scaler.scale(loss).backward()
+        return loss.detach().float()
 
 
 def has_conv(model: nn.Module) -> bool:

@@ -31,7 +31,8 @@ from train.evaluate import evaluate
 from train.metrics import build_metrics
 from train.models import build_model
 from train.optim import Plan, build_optimizer, build_scheduler, make_plan
-from train.parallel import memory_format, place, wrap_ddp
+from train.parallel import Strategy, memory_format, place
+from train.strategies import build_strategy
 from train.state import Progress, build_state, gather_rng, restore_state, seed_rank
 from train.status import write_status
 from train.step import Meter, build_autocast, train_step
@@ -79,8 +80,7 @@ class Run:
     device: torch.device
     data: Datasets
     plan: Plan
-    model: torch.nn.Module  # the plain model: evaluation, checkpoints
-    ddp: torch.nn.Module  # the same parameters, wrapped (DDP, maybe compiled): training steps
+    strategy: Strategy  # this rank's part of the model and how it is trained: ddp | fsdp | pipeline
     memory_format: torch.memory_format  # of the model's weights and input batches
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -113,9 +113,8 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device) -
     torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank
     model = build_model(cfg.model, data.spec)
     fmt = memory_format(cfg.trainer, model, device)
-    model = place(model, device, fmt)
-    ddp = wrap_ddp(model, cfg.trainer, device)
-    optimizer = build_optimizer(cfg.optim, model, plan.lr)
+    strategy = build_strategy(place(model, device, fmt), cfg.trainer, env, device)
+    optimizer = build_optimizer(cfg.optim, strategy.model, plan.lr)
     scheduler = build_scheduler(optimizer, cfg.optim.schedule, plan)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.trainer.precision == "fp16")
     seed_rank(cfg.trainer.seed + env.rank)  # per-rank randomness (dropout) differs between ranks
@@ -124,11 +123,11 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device) -
     progress = Progress()
     state = resume_state(ckpt, env)
     if state is not None:
-        parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, plan=plan, env=env)
+        parts = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, plan=plan, env=env)
         progress = restore_state(state, **parts)
         ckpt.saved_step = progress.step
     return Run(
-        cfg, run_dir, env, device, data, plan, model, ddp, fmt, optimizer, scheduler, scaler,
+        cfg, run_dir, env, device, data, plan, strategy, fmt, optimizer, scheduler, scaler,
         build_autocast(cfg.trainer.precision, device), ckpt, progress, resumed=state is not None,
     )
 
@@ -137,7 +136,7 @@ def save_checkpoint(run: Run, is_best: bool = False) -> None:
     """Every rank takes part (the RNG gather is a collective); only rank 0 writes."""
     if run.ckpt.saved_step != run.progress.step:
         state = build_state(
-            model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
+            strategy=run.strategy, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
             progress=run.progress, plan=run.plan, rng=gather_rng(run.env), config=to_dict(run.cfg),
         )
         run.ckpt.save(state, run.progress.step)
@@ -148,8 +147,8 @@ def save_checkpoint(run: Run, is_best: bool = False) -> None:
 def describe_plan(run: Run) -> str:
     cfg, plan = run.cfg, run.plan
     text = (
-        f"plan: {plan.world_size} processes, global batch {plan.global_batch} "
-        f"({cfg.data.batch_size} x {plan.world_size} x {cfg.trainer.accumulate} accumulation), lr {plan.lr:.4g}, "
+        f"plan: {plan.world_size} processes ({cfg.trainer.strategy}), global batch {plan.global_batch} "
+        f"({cfg.data.batch_size} x {plan.replicas} replicas x {cfg.trainer.accumulate} accumulation), lr {plan.lr:.4g}, "
         f"warmup {plan.warmup_steps} steps, {plan.steps_per_epoch} steps/epoch x {cfg.trainer.epochs} epochs = "
         f"{plan.total_steps} steps"
     )
@@ -158,6 +157,25 @@ def describe_plan(run: Run) -> str:
     if run.resumed:
         text += f"; resumed at step {run.progress.step}"
     return text
+
+
+def log_memory(run: Run, metrics, console, step: int) -> None:
+    """Each rank's parameter and optimizer-state memory (and peak GPU memory), once the optimizer state exists:
+    what fsdp or pipeline save over ddp shows up by rank. Collective."""
+    params, state = run.strategy.memory(run.optimizer)
+    peak = torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else 0
+    mine = torch.tensor([params, state, peak], dtype=torch.float64, device=run.device)
+    table = [torch.empty_like(mine) for _ in range(run.env.world_size)]
+    torch.distributed.all_gather(table, mine)
+    values, parts = {}, []
+    for rank, row in enumerate(table):
+        params_mb, state_mb, peak_mb = (v / 2**20 for v in row.tolist())
+        values.update({f"rank{rank}_param_mb": params_mb, f"rank{rank}_optim_mb": state_mb})
+        if run.device.type == "cuda":
+            values[f"rank{rank}_peak_mb"] = peak_mb
+        parts.append(f"rank {rank} {params_mb:.1f} + {state_mb:.1f} MB" + (f" (peak {peak_mb:.0f} MB)" if peak else ""))
+    metrics.log("memory", step, values)
+    console.print(f"memory per rank, parameters + optimizer state ({run.cfg.trainer.strategy}): {', '.join(parts)}")
 
 
 def fit(run: Run) -> Outcome:
@@ -173,24 +191,28 @@ def fit(run: Run) -> Outcome:
     stop = StopRequest(cfg.trainer.stop_signals, cfg.trainer.stop_check_every)
     watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s)
     batches = TrainBatches(
-        run.data.train, cfg.data.batch_size, env.rank, env.world_size, cfg.trainer.seed, cfg.data.augment, run.device,
-        run.memory_format,
+        run.data.train, cfg.data.batch_size, run.strategy.replica_rank, run.strategy.replicas, cfg.trainer.seed,
+        cfg.data.augment, run.device, run.memory_format,
     )
     meter = Meter(run.device)
     result: dict[str, float] = {}
     stopped = False
+    memory_logged = False
 
     while progress.step < plan.stop_step and not stopped:
         epoch, offset = divmod(progress.step, plan.steps_per_epoch)
         micro_batches = batches.epoch(epoch, start=offset * cfg.trainer.accumulate)
         for _ in range(offset, plan.steps_per_epoch):
-            train_step(run.ddp, micro_batches, run.optimizer, run.scheduler, run.scaler, run.autocast, cfg.trainer, meter)
+            train_step(run.strategy, micro_batches, run.optimizer, run.scheduler, run.scaler, run.autocast, cfg.trainer, meter)
             progress.step += 1
+            if not memory_logged:  # after this attempt's first step: the optimizer state exists now
+                log_memory(run, metrics, console, progress.step)
+                memory_logged = True
             watchdog.beat(progress.step)
             console.advance(progress.step)
             if progress.step % cfg.trainer.log_every == 0:
                 values = {
-                    **meter.reduce(plan.global_batch),
+                    **meter.reduce(plan.global_batch, plan.replicas),
                     "lr": run.scheduler.get_last_lr()[0],
                     "epoch": progress.step / plan.steps_per_epoch,
                     "restarts": restarts,
@@ -213,7 +235,7 @@ def fit(run: Run) -> Outcome:
         eval_due = cfg.trainer.eval_every > 0 and (epoch + 1) % cfg.trainer.eval_every == 0
         if not stopped and (progress.step >= plan.stop_step or (epoch_done and eval_due)):
             result = evaluate(
-                run.model, run.data.eval, cfg.data.eval_batch_size, env, run.device, run.autocast,
+                run.strategy, run.data.eval, cfg.data.eval_batch_size, run.device, run.autocast,
                 heartbeat=lambda: watchdog.beat(progress.step, "evaluating"),
             )
             epoch_float = progress.step / plan.steps_per_epoch

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from train.dist import DistEnv
 from train.optim import Plan
+from train.parallel import Strategy
 
 FORMAT_VERSION = 1
 
@@ -71,7 +71,7 @@ def _to_cpu(state: dict) -> dict:
 
 def build_state(
     *,
-    model: nn.Module,
+    strategy: Strategy,
     optimizer: torch.optim.Optimizer,
     scheduler,
     scaler: torch.amp.GradScaler,
@@ -83,8 +83,9 @@ def build_state(
     epoch, step_in_epoch = divmod(progress.step, plan.steps_per_epoch)
     return {
         "format_version": FORMAT_VERSION,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "strategy": strategy.name,
+        "model": strategy.model_state(),  # the whole model, plain: loads into build_model() on one device
+        "optimizer": strategy.optimizer_state(optimizer),
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict(),
         "step": progress.step,
@@ -102,7 +103,7 @@ def build_state(
 def restore_state(
     state: dict,
     *,
-    model: nn.Module,
+    strategy: Strategy,
     optimizer: torch.optim.Optimizer,
     scheduler,
     scaler: torch.amp.GradScaler,
@@ -116,8 +117,15 @@ def restore_state(
     back, new ranks keep their fresh seeds. Exact to floating-point reordering when the global batch is
     unchanged; not bitwise (per-rank random streams are regrouped).
     """
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    saved = state.get("strategy", "ddp")
+    if saved != strategy.name:
+        raise ValueError(
+            f"the checkpoint was written under trainer.strategy={saved}, and this run uses {strategy.name}: resume "
+            f"with trainer.strategy={saved}, or start from its weights in a new run directory (its \"model\" entry "
+            f"is a plain state dict)."
+        )
+    strategy.load_model_state(state["model"])
+    strategy.load_optimizer_state(optimizer, state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     if env.rank < len(state["rng"]):
         restore_rng(state["rng"][env.rank])

@@ -12,11 +12,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from train.config import TrainerConfig
-from train.parallel import no_sync
+from train.parallel import Strategy
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,8 +38,8 @@ class Meter:
         self.timed_steps = 0
         self.data_time = 0.0
 
-    def reduce(self, global_batch: int) -> dict[str, float]:
-        """Loss averaged over ranks and steps since the last call, throughput, and every rank's timing (collective).
+    def reduce(self, global_batch: int, replicas: int) -> dict[str, float]:
+        """Loss averaged over replicas and steps since the last call, throughput, and every rank's timing (collective).
 
         One all_gather carries each rank's loss sum, step time and data-wait time: a straggler or a data stall
         shows up by rank, and the interval costs a single collective.
@@ -57,7 +55,7 @@ class Meter:
         dist.all_gather(table, mine)
         loss, step_time, data_time = torch.stack(table).double().cpu().unbind(1)  # one value per rank each
         values = {
-            "loss": loss.sum().item() / dist.get_world_size() / max(1, self.steps),
+            "loss": loss.sum().item() / replicas / max(1, self.steps),  # ranks without a loss add zeros
             "samples_per_s": self.timed_steps * global_batch / elapsed,
             **spread("step_time", step_time),
             **spread("data_time", data_time),
@@ -79,7 +77,7 @@ def spread(name: str, per_rank: torch.Tensor) -> dict[str, float]:
 
 
 def train_step(
-    model: nn.Module,
+    strategy: Strategy,
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
     optimizer: torch.optim.Optimizer,
     scheduler,
@@ -92,16 +90,14 @@ def train_step(
         start = time.perf_counter()
         images, labels = next(batches)
         meter.data_time += time.perf_counter() - start
-        # DDP all-reduces gradients on the last micro-step only; the others just accumulate locally.
+        # Gradients are synchronised on the last micro-step only; the others just accumulate locally.
         last = micro == cfg.accumulate - 1
-        with contextlib.nullcontext() if last else no_sync(model):
-            with autocast():
-                loss = F.cross_entropy(model(images), labels) / cfg.accumulate
-            scaler.scale(loss).backward()
-        meter.loss_sum += loss.detach().float()
+        meter.loss_sum += strategy.forward_backward(
+            images, labels, sync=last, accumulate=cfg.accumulate, autocast=autocast, scaler=scaler
+        )
     if cfg.grad_clip > 0:
         scaler.unscale_(optimizer)
-        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        strategy.clip_grad_norm(cfg.grad_clip)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,108 @@
+"""Model parallelism through the real CLI with real gloo processes: FSDP2 reaches DDP's weights with about half
+the parameter memory per rank, a 2-stage pipeline reaches one process's weights, both checkpoint and resume
+exactly, export a plain single-device state dict, and refuse bad combinations before any process starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import IDENTITY, final_checkpoint, read_metrics
+from train.config import ModelConfig
+from train.data import DataSpec
+from train.models import build_model
+
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def assert_same_weights(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, **TOLERANCE, msg=f"{name} differs")
+
+
+def memory(run_dir) -> dict:
+    [record] = [r for r in read_metrics(run_dir) if r["kind"] == "memory"]
+    return record
+
+
+def single_device_model() -> torch.nn.Module:
+    return build_model(ModelConfig(name="mlp", hidden=[64, 32]), DataSpec(1, 16, 10))
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    from conftest import run_cli
+
+    tmp = tmp_path_factory.mktemp("fsdp")
+    proc = run_cli("launcher", *IDENTITY, "trainer.strategy=fsdp", "trainer.procs_per_node=2", "data.batch_size=16",
+                   f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
+    assert proc.returncode == 0
+    assert "fsdp: parameters, gradients and optimizer state sharded 2 ways" in proc.stdout
+    return tmp / "run"
+
+
+def test_fsdp_reaches_the_weights_of_ddp_with_half_the_parameter_memory(fsdp_run, two_process_ddp):
+    fsdp, ddp = final_checkpoint(fsdp_run), final_checkpoint(two_process_ddp)
+    assert fsdp["strategy"] == "fsdp" and fsdp["step"] == ddp["step"] == 24
+    assert_same_weights(fsdp["model"], ddp["model"])
+
+    sharded, replicated = memory(fsdp_run), memory(two_process_ddp)
+    for rank in (0, 1):
+        assert replicated[f"rank{rank}_param_mb"] == pytest.approx(replicated["rank0_param_mb"])  # full copies
+        # 1/2 of every parameter, up to the padding of each shard to equal sizes
+        assert sharded[f"rank{rank}_param_mb"] == pytest.approx(replicated[f"rank{rank}_param_mb"] / 2, rel=0.02)
+        assert sharded[f"rank{rank}_optim_mb"] == pytest.approx(replicated[f"rank{rank}_optim_mb"] / 2, rel=0.02)
+
+
+def test_fsdp_checkpoint_is_a_plain_state_dict_and_resumes_exactly(launch, tmp_path, fsdp_run):
+    run = [*IDENTITY, "trainer.strategy=fsdp", "trainer.procs_per_node=2", "data.batch_size=16", f"hydra.run.dir={tmp_path / 'run'}"]
+    assert launch(*run, "trainer.max_steps=12").returncode == 0
+    halfway = final_checkpoint(tmp_path / "run")
+    single_device_model().load_state_dict(halfway["model"])  # strict: every key, unsharded shapes
+    assert launch(*run).returncode == 0  # the same command again: resumes at step 12, runs to 24
+    resumed = final_checkpoint(tmp_path / "run")
+    assert resumed["step"] == 24
+    for name, value in final_checkpoint(fsdp_run)["model"].items():
+        assert torch.equal(resumed["model"][name], value), f"{name} differs after resume"
+
+
+PIPELINE = [*IDENTITY, "trainer.strategy=pipeline", "trainer.procs_per_node=2", "trainer.microbatches=4"]
+
+
+@pytest.mark.parametrize("schedule,batch,accumulate", [("gpipe", 32, 1), ("1f1b", 32, 1), ("1f1b", 16, 2)])
+def test_a_two_stage_pipeline_reaches_the_weights_of_one_process(launch, tmp_path, one_process_batch_32, schedule, batch, accumulate):
+    proc = launch(*PIPELINE, f"trainer.pipeline_schedule={schedule}", f"data.batch_size={batch}",
+                  f"trainer.accumulate={accumulate}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0
+    pipeline = final_checkpoint(tmp_path / "run")
+    assert pipeline["global_batch"] == one_process_batch_32["global_batch"] == 32  # every stage sees the whole batch
+    assert_same_weights(pipeline["model"], one_process_batch_32["model"])
+    single_device_model().load_state_dict(pipeline["model"])  # the stages put together: the whole model
+
+    # Each stage holds only its blocks: together exactly the whole model, each well under it.
+    record = memory(tmp_path / "run")
+    whole = sum(v.numel() * v.element_size() for v in pipeline["model"].values()) / 2**20
+    assert record["rank0_param_mb"] + record["rank1_param_mb"] == pytest.approx(whole)
+    assert max(record["rank0_param_mb"], record["rank1_param_mb"]) < 0.9 * whole
+    train = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert all(r["loss"] > 0 for r in train)  # the loss is the last stage's, not averaged with zeros
+
+
+def test_pipeline_resumes_exactly(launch, tmp_path):
+    run = [*PIPELINE, "data.batch_size=32", "trainer.grad_clip=0.5"]  # clipping: the norm spans both stages
+    assert launch(*run, f"hydra.run.dir={tmp_path / 'straight'}").returncode == 0
+    assert launch(*run, "trainer.max_steps=12", f"hydra.run.dir={tmp_path / 'resumed'}").returncode == 0
+    assert launch(*run, f"hydra.run.dir={tmp_path / 'resumed'}").returncode == 0
+    straight, resumed = final_checkpoint(tmp_path / "straight"), final_checkpoint(tmp_path / "resumed")
+    assert straight["step"] == resumed["step"] == 24
+    for name, value in straight["model"].items():
+        assert torch.equal(resumed["model"][name], value), f"{name} differs after resume"
+
+
+def test_a_model_without_enough_split_points_is_refused_before_start(launch, tmp_path):
+    proc = launch(*IDENTITY, "trainer.strategy=pipeline", "trainer.procs_per_node=2", "model.hidden=[]",
+                  f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    assert "model.name=mlp declares 1 block(s)" in proc.stderr and "more model.hidden layers" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()  # no worker ever started

@@ -1,0 +1,131 @@
+"""`trainer.strategy=pipeline`: the model cut into consecutive stages, one per process (torch.distributed.pipelining).
+
+The cut falls between the model's declared blocks (`train.models.blocks`), as evenly by block count as it goes:
+stage r keeps blocks [r*n/S, (r+1)*n/S) under their original names, so the stages' state dicts put together
+are the whole model's. Every batch is cut into `trainer.microbatches` microbatches that flow through the
+stages with the GPipe or 1F1B schedule; every stage reads the same batches (one replica), so the global batch is
+data.batch_size x accumulate.
+
+The loss of each microbatch is divided by microbatches x accumulate (and the schedule's own gradient scaling is
+off), so gradients add up over microbatches and micro-steps exactly as one process's mean loss would give.
+Evaluation sends each batch's activations from stage to stage (any batch size), and the last stage scores it.
+Checkpoints: rank 0 gathers the stages' state dicts into one full `"model"`, and keeps each stage's optimizer
+state in stage order, so a run resumes under pipeline with the same number of stages.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from train.config import TrainerConfig
+from train.dist import DistEnv
+from train.models import blocks
+from train.parallel import Strategy
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations that travel between stages in eval
+HEADER = 8  # ints sent ahead of an activation: dtype, number of dimensions, the sizes
+
+
+def stage_blocks(num_blocks: int, num_stages: int, stage: int) -> range:
+    """The blocks stage `stage` keeps: consecutive, as even in count as possible."""
+    return range(stage * num_blocks // num_stages, (stage + 1) * num_blocks // num_stages)
+
+
+class PipelineStrategy(Strategy):
+    name = "pipeline"
+
+    def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv, device: torch.device):
+        kept = stage_blocks(len(blocks(model)), env.world_size, env.rank)
+        for index, name in enumerate(list(model._modules)):
+            if index not in kept:
+                del model._modules[name]  # the others' blocks: this rank never holds their weights
+        super().__init__(model, cfg, env, device)
+        self.replicas, self.replica_rank = 1, 0
+        self.first, self.last = env.rank == 0, env.rank == env.world_size - 1
+        self.accumulate = 1
+        stage = PipelineStage(model, env.rank, env.world_size, device)
+        self.schedule = SCHEDULES[cfg.pipeline_schedule](stage, cfg.microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), labels) / (self.cfg.microbatches * self.accumulate)
+
+    def forward_backward(self, images, labels, *, sync: bool, accumulate: int, autocast, scaler) -> torch.Tensor:
+        self.accumulate = accumulate
+        losses: list[torch.Tensor] = []
+        with autocast():
+            self.schedule.step(*([images] if self.first else []), target=labels, losses=losses, return_outputs=False)
+        if not self.last:
+            return torch.zeros((), device=self.device)
+        return torch.stack(losses).sum().detach()
+
+    def clip_grad_norm(self, max_norm: float) -> None:
+        """Clip by the norm over all stages' gradients: each stage's sum of squares, added up across stages."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        squares = sum((g.detach().float().square().sum() for g in grads), torch.zeros((), device=self.device))
+        dist.all_reduce(squares)
+        nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, squares.sqrt())
+
+    @torch.no_grad()
+    def eval_logits(self, images: torch.Tensor) -> torch.Tensor | None:
+        x = images if self.first else self._receive()
+        y = self.model(x)
+        if self.last:
+            return y
+        self._send(y)
+        return None
+
+    def _send(self, tensor: torch.Tensor) -> None:
+        header = [WIRE_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+        dist.send(torch.tensor(header + [0] * (HEADER - len(header)), device=self.device), dst=self.env.rank + 1)
+        dist.send(tensor.contiguous(), dst=self.env.rank + 1)
+
+    def _receive(self) -> torch.Tensor:
+        header = torch.empty(HEADER, dtype=torch.long, device=self.device)
+        dist.recv(header, src=self.env.rank - 1)
+        dtype, ndim, *sizes = header.tolist()
+        tensor = torch.empty(sizes[:ndim], dtype=WIRE_DTYPES[dtype], device=self.device)
+        dist.recv(tensor, src=self.env.rank - 1)
+        return tensor
+
+    def sync_buffers(self) -> None:
+        pass  # one replica: each stage's buffers exist only on that stage
+
+    def model_state(self) -> dict:
+        parts = self._gather({k: v.cpu() for k, v in self.model.state_dict().items()})
+        return {k: v for part in parts for k, v in part.items()} if self.env.is_main else {}
+
+    def load_model_state(self, state: dict) -> None:
+        self.model.load_state_dict({k: state[k] for k in self.model.state_dict()})
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer):
+        return {"stages": self._gather(_to_cpu(optimizer.state_dict()))}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state) -> None:
+        stages = state["stages"]
+        if len(stages) != self.env.world_size:
+            raise ValueError(
+                f"this checkpoint holds a pipeline of {len(stages)} stages, and this run has {self.env.world_size}: "
+                f"resume with {len(stages)} processes, or start a new run directory."
+            )
+        optimizer.load_state_dict(stages[self.env.rank])
+
+    def _gather(self, obj) -> list:
+        """Every stage's `obj` on rank 0, in stage order (None elsewhere)."""
+        parts: list = [None] * self.env.world_size if self.env.is_main else None
+        dist.gather_object(obj, parts, dst=0)
+        return parts
+
+
+def _to_cpu(tree):
+    if torch.is_tensor(tree):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_to_cpu(v) for v in tree]
+    return tree
