@@ -47,3 +47,19 @@ def test_bf16_gradient_compression_is_applied_and_stays_close(launch, tmp_path, 
     diff = max((weights[k] - v).abs().max().item() for k, v in reference.items())
     # bf16 keeps 8 bits of mantissa: the all-reduced gradients are rounded (so the weights differ), but only a little.
     assert 1e-6 < diff < 1e-2
+
+
+def test_channels_last_is_chosen_for_conv_models_on_gpus_only():
+    from train.config import ModelConfig, TrainerConfig
+    from train.data import DataSpec
+    from train.models import build_model
+    from train.parallel import memory_format
+
+    cnn = build_model(ModelConfig(name="cnn", width=4), DataSpec(1, 16, 10))
+    mlp = build_model(ModelConfig(name="mlp", hidden=[8]), DataSpec(1, 16, 10))
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")  # device objects: no GPU needed to decide
+    auto = TrainerConfig()
+    assert memory_format(auto, cnn, cuda) == torch.channels_last
+    assert memory_format(auto, mlp, cuda) == torch.contiguous_format
+    assert memory_format(auto, cnn, cpu) == torch.contiguous_format
+    assert memory_format(TrainerConfig(memory_format="channels_last"), cnn, cpu) == torch.channels_last
