@@ -48,7 +48,7 @@ REGIMES = {
     "resnet18": Regime(
         ["model=resnet18", "data=synthetic", "data.channels=3", "data.image_size=32", "data.num_samples=2048",
          "data.batch_size=32"],
-        steps=25, warmup=5, log_every=5,
+        steps=45, warmup=5, log_every=5,
         description="CIFAR ResNet-18 (11.2M params), 3x32x32, batch 32 per process: compute-bound",
     ),
     "mlp": Regime(

@@ -11,6 +11,7 @@ node runs the same command with launcher.rdzv_endpoint=HOST:PORT of the first no
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from launcher.agent import run_agent
 from launcher.schema import Config
+from train.dist import available_cores
 
 
 def procs_per_node(cfg: Config) -> int:
@@ -51,6 +53,14 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
     )
 
 
+def threads_per_process(cfg: Config) -> int:
+    """trainer.threads, or this machine's cores shared among the local processes (as the workers will)."""
+    return cfg.trainer.threads or max(1, available_cores() // procs_per_node(cfg))
+
+
 def launch_local(cfg: Config, run_dir: Path, snapshot: Path) -> None:
     """Run the workers to completion; raises ChildFailedError (with the failing rank's traceback) on failure."""
+    # As torchrun does: OpenMP and BLAS pools in the workers (oneDNN's, numpy's) size themselves from this, not
+    # from torch.set_num_threads; unset, every process would start one thread per core.
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(cfg)))
     run_agent(launch_config(cfg, run_dir), sys.executable, ["-u", "-m", "train", str(snapshot)])

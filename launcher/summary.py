@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from launcher.local import procs_per_node, world_size
+from launcher.local import procs_per_node, threads_per_process, world_size
 from launcher.schema import Config
 from train.checkpoint import checkpoint_dir
 from train.dist import resolve_backend
@@ -22,8 +21,7 @@ STRATEGY_NOTES = {
 def _devices(cfg: Config) -> str:
     if cfg.trainer.gpus > 0:
         return f"cuda:0..{cfg.trainer.gpus - 1} on each node (one GPU per process)"
-    threads = cfg.trainer.threads or max(1, len(os.sched_getaffinity(0)) // procs_per_node(cfg))
-    return f"cpu, {threads} thread(s) per process"
+    return f"cpu, {threads_per_process(cfg)} thread(s) per process"
 
 
 def summary(cfg: Config, run_dir: Path, changed: list[str]) -> str:

@@ -38,6 +38,17 @@ def test_small_buckets_and_a_static_graph_give_the_same_weights(launch, tmp_path
         torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
 
 
+def test_a_compiled_ddp_module_trains_to_the_same_weights(launch, tmp_path, two_process_ddp):
+    proc = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.compile=true",
+                  f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0
+    compiled = final_checkpoint(tmp_path / "run")["model"]
+    reference = final_checkpoint(two_process_ddp)["model"]
+    assert compiled.keys() == reference.keys()  # the checkpoint holds the plain model, no compile/DDP prefixes
+    for name, expected in reference.items():
+        torch.testing.assert_close(compiled[name], expected, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
+
+
 def test_bf16_gradient_compression_is_applied_and_stays_close(launch, tmp_path, two_process_ddp):
     proc = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.grad_compression=bf16",
                   f"hydra.run.dir={tmp_path / 'run'}")

@@ -53,10 +53,14 @@ def pick_device(env: DistEnv, gpus: int) -> torch.device:
     return torch.device("cpu")
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity: what SLURM or taskset granted)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_threads(env: DistEnv) -> int:
     """Share this machine's cores among the local processes: oversubscription slows every rank down."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // env.local_world_size)
+    return max(1, available_cores() // env.local_world_size)
 
 
 def init_process_group(env: DistEnv, backend: str, device: torch.device, timeout_s: int) -> None:

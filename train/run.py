@@ -133,7 +133,8 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device) -
 
 
 def save_checkpoint(run: Run, is_best: bool = False) -> None:
-    """Every rank takes part (the RNG gather is a collective); only rank 0 writes."""
+    """Every rank takes part (gathering RNG states, and the model's parts under fsdp or pipeline, are collectives);
+    only rank 0 writes."""
     if run.ckpt.saved_step != run.progress.step:
         state = build_state(
             strategy=run.strategy, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
