@@ -25,8 +25,7 @@ from train.dist import resolve_backend
 from train.models import MODELS, blocks, build_model
 from train.optim import SCHEDULES
 from train.parallel import GRAD_COMPRESSIONS, MEMORY_FORMATS
-from train.pipeline import SCHEDULES as PIPELINE_SCHEDULES
-from train.strategies import STRATEGIES
+from train.strategies import PIPELINE_SCHEDULES, STRATEGIES
 
 PRECISIONS = ("32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")

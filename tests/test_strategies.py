@@ -106,3 +106,10 @@ def test_a_model_without_enough_split_points_is_refused_before_start(launch, tmp
     assert proc.returncode == 2
     assert "model.name=mlp declares 1 block(s)" in proc.stderr and "more model.hidden layers" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()  # no worker ever started
+
+
+def test_the_launcher_knows_the_pipeline_schedules_the_trainer_has():
+    from train.pipeline import SCHEDULES
+    from train.strategies import PIPELINE_SCHEDULES
+
+    assert set(PIPELINE_SCHEDULES) == set(SCHEDULES)

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from train.config import TrainerConfig
@@ -81,7 +80,7 @@ class Strategy:
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor (fsdp): this rank's shard
     return local.numel() * local.element_size()
 
 
