@@ -5,6 +5,7 @@ compression that is really applied. Throughput itself is measured by benchmarks/
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import IDENTITY, fault_env, final_checkpoint, read_metrics
@@ -29,24 +30,15 @@ def test_a_data_stall_on_one_rank_is_logged_by_rank(launch, tmp_path):
     assert "slowest data: rank 1" in proc.stdout
 
 
-def test_small_buckets_and_a_static_graph_give_the_same_weights(launch, tmp_path, two_process_ddp):
-    proc = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.bucket_cap_mb=1",
-                  "trainer.static_graph=true", f"hydra.run.dir={tmp_path / 'run'}")
+@pytest.mark.parametrize("options", [["trainer.bucket_cap_mb=1", "trainer.static_graph=true"], ["trainer.compile=true"]])
+def test_ddp_options_that_must_not_change_the_weights(launch, tmp_path, two_process_ddp, options):
+    proc = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", *options, f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0
     weights = final_checkpoint(tmp_path / "run")["model"]
-    for name, expected in final_checkpoint(two_process_ddp)["model"].items():
-        torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
-
-
-def test_a_compiled_ddp_module_trains_to_the_same_weights(launch, tmp_path, two_process_ddp):
-    proc = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.compile=true",
-                  f"hydra.run.dir={tmp_path / 'run'}")
-    assert proc.returncode == 0
-    compiled = final_checkpoint(tmp_path / "run")["model"]
     reference = final_checkpoint(two_process_ddp)["model"]
-    assert compiled.keys() == reference.keys()  # the checkpoint holds the plain model, no compile/DDP prefixes
+    assert weights.keys() == reference.keys()  # the checkpoint holds the plain model, no compile/DDP prefixes
     for name, expected in reference.items():
-        torch.testing.assert_close(compiled[name], expected, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
+        torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
 
 
 def test_bf16_gradient_compression_is_applied_and_stays_close(launch, tmp_path, two_process_ddp):
