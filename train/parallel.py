@@ -40,9 +40,9 @@ class Strategy:
         """The parameters this rank's optimizer updates."""
         return self.model.parameters()
 
-    def forward_backward(self, images, labels, *, sync: bool, accumulate: int, autocast, scaler) -> torch.Tensor:
+    def forward_backward(self, images, labels, *, sync: bool, autocast, scaler) -> torch.Tensor:
         """One micro-step. Gradients are synchronised only when `sync` (the last micro-step of an optimizer step).
-        Returns this rank's loss / accumulate, detached (zero on ranks that compute no loss)."""
+        Returns this rank's loss / trainer.accumulate, detached (zero on ranks that compute no loss)."""
         raise NotImplementedError
 
     def clip_grad_norm(self, max_norm: float) -> None:
@@ -93,10 +93,10 @@ class DDPStrategy(Strategy):
         super().__init__(model, cfg, env, device)
         self.module = wrap_ddp(model, cfg, device)
 
-    def forward_backward(self, images, labels, *, sync: bool, accumulate: int, autocast, scaler) -> torch.Tensor:
+    def forward_backward(self, images, labels, *, sync: bool, autocast, scaler) -> torch.Tensor:
         with contextlib.nullcontext() if sync else no_sync(self.module):
             with autocast():
-                loss = F.cross_entropy(self.module(images), labels) / accumulate
+                loss = F.cross_entropy(self.module(images), labels) / self.cfg.accumulate
             scaler.scale(loss).backward()
         return loss.detach().float()
 

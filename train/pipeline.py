@@ -47,15 +47,13 @@ class PipelineStrategy(Strategy):
         super().__init__(model, cfg, env, device)
         self.replicas, self.replica_rank = 1, 0
         self.first, self.last = env.rank == 0, env.rank == env.world_size - 1
-        self.accumulate = 1
         stage = PipelineStage(model, env.rank, env.world_size, device)
         self.schedule = SCHEDULES[cfg.pipeline_schedule](stage, cfg.microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float(), labels) / (self.cfg.microbatches * self.accumulate)
+        return F.cross_entropy(logits.float(), labels) / (self.cfg.microbatches * self.cfg.accumulate)
 
-    def forward_backward(self, images, labels, *, sync: bool, accumulate: int, autocast, scaler) -> torch.Tensor:
-        self.accumulate = accumulate
+    def forward_backward(self, images, labels, *, sync: bool, autocast, scaler) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         with autocast():
             self.schedule.step(*([images] if self.first else []), target=labels, losses=losses, return_outputs=False)

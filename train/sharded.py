@@ -50,10 +50,10 @@ class FSDPStrategy(Strategy):
             fully_shard(block, **policy)
         fully_shard(model, **policy)  # the root: whatever the blocks do not cover; starts the first gather early
 
-    def forward_backward(self, images, labels, *, sync: bool, accumulate: int, autocast, scaler) -> torch.Tensor:
+    def forward_backward(self, images, labels, *, sync: bool, autocast, scaler) -> torch.Tensor:
         self.model.set_requires_gradient_sync(sync)  # FSDP's no_sync: accumulate unsharded, reduce-scatter last
         with autocast():
-            loss = F.cross_entropy(self.model(images), labels) / accumulate
+            loss = F.cross_entropy(self.model(images), labels) / self.cfg.accumulate
         loss.backward()  # fp16 (a grad scaler) is refused for fsdp before start
         return loss.detach().float()
 

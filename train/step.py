@@ -93,7 +93,7 @@ def train_step(
         # Gradients are synchronised on the last micro-step only; the others just accumulate locally.
         last = micro == cfg.accumulate - 1
         meter.loss_sum += strategy.forward_backward(
-            images, labels, sync=last, accumulate=cfg.accumulate, autocast=autocast, scaler=scaler
+            images, labels, sync=last, autocast=autocast, scaler=scaler
         )
     if cfg.grad_clip > 0:
         scaler.unscale_(optimizer)
