@@ -3,16 +3,26 @@
 - before each elastic restart, the cause is printed: which rank failed, how (exit code or signal), and the
   traceback it recorded (via `@record` in `train/__main__.py`); the count of restarts reaches the workers as
   TORCHELASTIC_RESTART_COUNT and the trainer logs it;
+- a signal to the agent reaches the workers as one they stop on: SIGHUP (a closed terminal or ssh session) and
+  SIGQUIT become SIGTERM, so the workers save a checkpoint instead of dying (torch forwards them unchanged);
 - a second SIGINT/SIGTERM while the workers are saving their last checkpoint kills them at once.
+
+These extend private methods of torch's LocalElasticAgent (`_monitor_workers`, `_shutdown`, `_pcontext`,
+`_remaining_restarts`), as tested with the torch version CI installs. `extensions_supported` checks that they
+are there; on a torch where they are not, the launcher says so and runs torch's own agent (restarts and stops
+still work; only the printed causes, the signal translation and the double-signal kill are lost).
 
 `run_agent` is torch's `launch_agent` minus the parts we do not use (metrics, events, health checks).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import sys
+import threading
+import time
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -24,6 +34,8 @@ from torch.distributed.launcher.api import LaunchConfig
 
 # The agent turns these into SignalException and forwards them to the workers, which save and stop.
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+# The workers stop gracefully on SIGTERM and SIGINT (trainer.stop_signals); the others would kill them unsaved.
+FORWARDED_AS = {signal.SIGHUP: signal.SIGTERM, signal.SIGQUIT: signal.SIGTERM}
 
 
 def describe(failure: ProcessFailure) -> str:
@@ -66,7 +78,12 @@ class Agent(LocalElasticAgent):
         # While the workers save and stop (up to `timeout`), another signal kills them instead of waiting.
         for name in SIGNALS_TO_HANDLE.split(","):
             signal.signal(signal.Signals[name], self._kill_workers)
-        super()._shutdown(death_sig, timeout)
+        forwarded = FORWARDED_AS.get(death_sig, death_sig)
+        if self._pcontext and self._pcontext.wait(0) is None:  # still running: a signal stops them, not their end
+            # Said here, not by the workers' handlers (which only set a flag) nor by a rank that may be stuck.
+            print(f"{signal.Signals(death_sig).name}: the workers save a checkpoint at the next step boundary and stop "
+                  f"(up to launcher.shutdown_timeout_s={timeout}); send it again to stop them at once", file=sys.stderr, flush=True)
+        super()._shutdown(forwarded, timeout)
 
     def _kill_workers(self, signum: int, frame) -> None:
         print(f"{signal.Signals(signum).name} again: stopping the workers now, without a final checkpoint", file=sys.stderr, flush=True)
@@ -75,6 +92,61 @@ class Agent(LocalElasticAgent):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+class AnnouncedRendezvous:
+    """The rendezvous handler, saying while it waits: "waiting for 1 of 2 nodes at node0:29400 ...".
+
+    Without it a node whose peers have not started prints nothing for up to launcher.rdzv_timeout_s. Everything
+    but `next_rendezvous` is the wrapped handler's (torch's agent only calls its public methods)."""
+
+    FIRST_S, EVERY_S = 3.0, 15.0
+
+    def __init__(self, handler, endpoint: str, nodes: int, timeout_s: int):
+        self.handler, self.endpoint, self.nodes, self.timeout_s = handler, endpoint, nodes, timeout_s
+
+    def __getattr__(self, name: str):
+        return getattr(self.handler, name)
+
+    def joined(self) -> int | None:
+        """Nodes in the current round so far (from the handler's state: private, so None if it is not there)."""
+        try:
+            return len(self.handler._state_holder.state.participants)
+        except AttributeError:
+            return None
+
+    def next_rendezvous(self):
+        done = threading.Event()
+        threading.Thread(target=self._announce, args=(done,), name="rendezvous-announcer", daemon=True).start()
+        try:
+            return self.handler.next_rendezvous()
+        finally:
+            done.set()
+
+    def _announce(self, done: threading.Event) -> None:
+        start, wait = time.monotonic(), self.FIRST_S
+        while not done.wait(wait):
+            joined = self.joined()
+            missing = f"{self.nodes - joined} of {self.nodes}" if joined else f"the other {self.nodes - 1} of {self.nodes}"
+            print(f"waiting for {missing} nodes at {self.endpoint} ({time.monotonic() - start:.0f} s of "
+                  f"launcher.rdzv_timeout_s={self.timeout_s}); start the same command on every node", file=sys.stderr, flush=True)
+            wait = self.EVERY_S
+
+
+def extensions_supported() -> bool:
+    """Whether this torch's LocalElasticAgent has the private members `Agent` extends, with the same shapes."""
+    try:
+        monitor = inspect.signature(LocalElasticAgent._monitor_workers)
+        shutdown = inspect.signature(LocalElasticAgent._shutdown)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    source = inspect.getsource(LocalElasticAgent)
+    return (
+        list(monitor.parameters) == ["self", "worker_group"]
+        and list(shutdown.parameters)[:3] == ["self", "death_sig", "timeout"]
+        and "self._pcontext" in source
+        and "_remaining_restarts" in inspect.getsource(LocalElasticAgent.__mro__[1])
+    )
 
 
 def run_agent(config: LaunchConfig, entrypoint: str, args: list[str]) -> None:
@@ -93,16 +165,27 @@ def run_agent(config: LaunchConfig, entrypoint: str, args: list[str]) -> None:
         local_addr=config.local_addr,
         **config.rdzv_configs,
     )
+    handler = rdzv_registry.get_rendezvous_handler(parameters)
+    if config.max_nodes > 1:
+        handler = AnnouncedRendezvous(handler, config.rdzv_endpoint, config.max_nodes, config.rdzv_configs["timeout"])
     spec = WorkerSpec(
         role="trainer",
         local_world_size=config.nproc_per_node,
         entrypoint=entrypoint,
         args=tuple(args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(parameters),
+        rdzv_handler=handler,
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
     )
-    agent = Agent(spec=spec, logs_specs=config.logs_specs, shutdown_timeout=config.shutdown_timeout)
+    agent_class = Agent
+    if not extensions_supported():
+        import torch
+
+        print(f"note: torch {torch.__version__}'s elastic agent differs from the one this launcher was tested with; "
+              f"running it unextended (no printed restart causes, no SIGHUP -> SIGTERM, no second-signal kill)",
+              file=sys.stderr, flush=True)
+        agent_class = LocalElasticAgent
+    agent = agent_class(spec=spec, logs_specs=config.logs_specs, shutdown_timeout=config.shutdown_timeout)
     close_rendezvous = True
     try:
         result = agent.run()

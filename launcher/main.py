@@ -88,7 +88,8 @@ def launch(cfg: DictConfig, run_dir: Path) -> int:
         return 2
 
     try:
-        with hold(run_dir):
+        # Several nodes without SLURM: one launcher per node shares the directory.
+        with hold(run_dir, typed.trainer.nodes if typed.launcher.name == "local" else 1):
             return start(cfg, typed, run_dir)
     except RunDirBusy as error:
         print(f"error: {error}", file=sys.stderr)

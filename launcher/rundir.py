@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -92,20 +93,36 @@ class RunDirBusy(RuntimeError):
     pass
 
 
+def _lock(path: Path, mode: int, what: str):
+    """An flock on `path` (released by the OS when this process dies, however it dies), or RunDirBusy."""
+    lock = open(path, "a+")
+    try:
+        fcntl.flock(lock, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise RunDirBusy(f"{what} is in use by another launcher ({holder}): wait for it to finish, stop it, or choose "
+                         f"another hydra.run.dir.") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    lock.flush()
+    return lock
+
+
 @contextlib.contextmanager
-def hold(run_dir: Path):
+def hold(run_dir: Path, nodes: int = 1):
     """Hold the run directory for this launcher: a second launch into it fails at once instead of two runs
-    writing the same checkpoints. (An flock: released by the OS when this process dies, however it dies.)"""
-    with open(run_dir / LOCK_FILE, "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            raise RunDirBusy(
-                f"hydra.run.dir={run_dir} is in use by another launcher (pid {lock.read().strip() or '?'}): wait for "
-                f"it to finish, stop it, or choose another hydra.run.dir."
-            ) from None
-        lock.truncate(0)
-        lock.write(str(os.getpid()))
-        lock.flush()
+    writing the same checkpoints.
+
+    A run on several nodes (without SLURM) has one launcher per node, all pointed at the same shared directory:
+    they hold it together (a shared lock, which a one-node launch cannot join), and each node holds its own
+    per-host lock, so the same node cannot be started twice."""
+    what = f"hydra.run.dir={run_dir}"
+    if nodes == 1:
+        with _lock(run_dir / LOCK_FILE, fcntl.LOCK_EX, what):
+            yield
+        return
+    with _lock(run_dir / LOCK_FILE, fcntl.LOCK_SH, what), \
+            _lock(run_dir / f"{LOCK_FILE}.{socket.gethostname()}", fcntl.LOCK_EX, f"{what} (on {socket.gethostname()})"):
         yield

@@ -29,7 +29,7 @@ class LauncherConfig:
     qos: str = ""  # slurm: --qos
     constraint: str = ""  # slurm: --constraint
     time_min: int = 60  # slurm: time limit of the job (each requeued run gets it afresh), minutes
-    cpus_per_task: int = 0  # slurm: CPUs per rank; 0 leaves it to SLURM
+    cpus_per_task: int = 0  # slurm: CPUs per rank; 0 shares each node's CPUs among its ranks (SLURM's default is 1)
     mem_gb: int = 0  # slurm: memory per node in GB; 0 leaves it to SLURM
     signal: str = "USR2"  # slurm: warning signal before the time limit or preemption (NCCL may catch USR1)
     signal_delay_s: int = 120  # slurm: how long before the limit the warning comes: time to finish a step and save

@@ -5,6 +5,12 @@ Each task turns SLURM's environment into the env:// variables and runs the same 
 (launcher.signal, USR2 by default) launcher.signal_delay_s before the end; the trainer's handler only sets a
 flag, the ranks agree at the next step boundary and save together, then rank 0 requeues the job, which resumes in
 the same run directory. Every submission is recorded in RUN_DIR/slurm/jobs.jsonl for `python -m launcher.jobs`.
+
+Preemption: unless the cluster sets PreemptParameters=send_user_signal, SLURM preempts with SIGTERM (then SIGKILL
+after the partition's GraceTime), not with launcher.signal. The trainer stops on SIGTERM as on any stop signal;
+the task then asks SLURM whether the job is being preempted (its PreemptTime is set) and if so requeues it like
+after the warning signal. A SIGTERM from `scancel` (no PreemptTime) stops the job for good. The batch script
+ignores SIGTERM, so that it does not end the job while the tasks save.
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ class SlurmTask:
 
         export_env_from_slurm()
         outcome = main(self.snapshot)
-        if outcome.status == "stopped" and outcome.signal == self.requeue_signal:
+        if outcome.status == "stopped" and (outcome.signal == self.requeue_signal or
+                                           (outcome.signal == "SIGTERM" and being_preempted(os.environ["SLURM_JOB_ID"]))):
             self._requeue()
         return {"status": outcome.status, "step": outcome.step, **outcome.metrics}
 
@@ -78,16 +85,45 @@ class SlurmTask:
             return
         if os.environ.get("RANK") == "0":
             # The checkpoint is committed (saving was collective); now SLURM may stop every task and requeue.
-            subprocess.run(["scontrol", "requeue", job_id], check=True)
-            print(f"requeued job {job_id} (requeue {done + 1} of {self.max_requeues}); it resumes from the checkpoint",
-                  file=sys.stderr, flush=True)
+            requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+            if requeue.returncode == 0:
+                print(f"requeued job {job_id} (requeue {done + 1} of {self.max_requeues}); it resumes from the checkpoint",
+                      file=sys.stderr, flush=True)
+            else:  # e.g. SLURM's own preemption requeued it first (PreemptMode=REQUEUE)
+                print(f"scontrol requeue {job_id}: {requeue.stderr.strip()}", file=sys.stderr, flush=True)
         # Wait to be stopped by SLURM: returning now would let submitit record this attempt as the job's result.
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             time.sleep(1)
 
 
-def executor_parameters(cfg: Config) -> dict:
+def being_preempted(job_id: str) -> bool:
+    """Whether SLURM has chosen this job for preemption: `scontrol show job` gives it a PreemptTime."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    fields = dict(item.partition("=")[::2] for item in shown.split())
+    return fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
+
+
+def node_cpus(partition: str) -> int:
+    """CPUs of the smallest node of `partition` (the cluster's default partition if empty); 0 if unknown."""
+    command = ["sinfo", "-h", "-o", "%c"] + (["-p", partition] if partition else [])
+    try:
+        listed = subprocess.run(command, capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    counts = [int(value.rstrip("+")) for value in listed if value.rstrip("+").isdigit()]
+    return min(counts, default=0)
+
+
+def cpus_per_task(cfg: Config, cpus_per_node: int) -> int:
+    """launcher.cpus_per_task, or the node's CPUs shared among its tasks (SLURM's own default is one CPU per task,
+    which leaves a GPU's data pipeline and every host thread on a single core)."""
+    if cfg.launcher.cpus_per_task > 0:
+        return cfg.launcher.cpus_per_task
+    return max(1, cpus_per_node // procs_per_node(cfg)) if cpus_per_node else 0
+
+
+def executor_parameters(cfg: Config, cpus_per_node: int = 0) -> dict:
     s = cfg.launcher
     sbatch = {"signal": f"{s.signal}@{s.signal_delay_s}", "requeue": True, **s.sbatch}
     parameters = dict(
@@ -102,11 +138,15 @@ def executor_parameters(cfg: Config) -> dict:
             # sbatch exports the submitting shell: stale env:// values from it (a torchrun shell, another job)
             # must not reach the tasks, which derive their own from SLURM
             "unset " + " ".join(ENV_CONTRACT),
+            # OpenMP and BLAS pools size themselves from this (as under torchrun), one thread per CPU of the task
+            "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}",
+            # preemption's SIGTERM reaches this script too: it must not end the job while the tasks save
+            "trap '' TERM",
         ],
     )
     optional = dict(
         partition=s.partition, account=s.account, qos=s.qos, constraint=s.constraint,
-        gpus_per_node=cfg.trainer.gpus, cpus_per_task=s.cpus_per_task, mem=f"{s.mem_gb}GB" if s.mem_gb else "",
+        gpus_per_node=cfg.trainer.gpus, cpus_per_task=cpus_per_task(cfg, cpus_per_node), mem=f"{s.mem_gb}GB" if s.mem_gb else "",
     )
     parameters.update({k: v for k, v in optional.items() if v})
     return parameters
@@ -117,7 +157,7 @@ def submit(cfg: Config, run_dir: Path, snapshot: Path):
     import submitit
 
     executor = submitit.SlurmExecutor(folder=slurm_folder(run_dir))
-    executor.update_parameters(**executor_parameters(cfg))
+    executor.update_parameters(**executor_parameters(cfg, node_cpus(cfg.launcher.partition)))
     task = SlurmTask(str(snapshot), cfg.launcher.max_requeues, f"SIG{cfg.launcher.signal}")
     job = executor.submit(task)
     record = {"job_id": job.job_id, "submitted": time.time(), "nodes": cfg.trainer.nodes, "tasks": procs_per_node(cfg)}

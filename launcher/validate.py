@@ -6,6 +6,7 @@ fixes a bad command in one round instead of watching N ranks crash (or hang) one
 
 from __future__ import annotations
 
+import ipaddress
 import shutil
 import signal
 import socket
@@ -95,9 +96,20 @@ def _check_world(cfg: Config, problems: list[str], cuda_devices: int) -> None:
         )
 
 
-def _is_local_address(host: str) -> bool:
+def _hosts_rendezvous(host: str) -> bool:
+    """Whether this node is the one the endpoint names, so its launcher will listen there. By name: on a machine
+    that runs several nodes (tests, containers), the other nodes' launchers connect to that port, they do not
+    listen on it, so a taken port is expected there."""
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
     try:
-        address = socket.gethostbyname(host)
+        return ipaddress.ip_address(host).is_loopback or _bindable(host)
+    except ValueError:  # a name: another machine's
+        return False
+
+
+def _bindable(address: str) -> bool:
+    try:
         with socket.socket() as probe:
             probe.bind((address, 0))  # only addresses of this machine can be bound
         return True
@@ -122,7 +134,7 @@ def _check_endpoint(cfg: Config, problems: list[str]) -> None:
     host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit():
         problems.append(f"launcher.rdzv_endpoint={endpoint!r} is not HOST:PORT, e.g. node0:29400.")
-    elif _is_local_address(host) and _port_in_use(int(port)):
+    elif _hosts_rendezvous(host) and _port_in_use(int(port)):
         problems.append(
             f"launcher.rdzv_endpoint={endpoint}: port {port} is already in use on this machine, which hosts the "
             f"rendezvous (another run, or another program): pick a free port and use it on every node."

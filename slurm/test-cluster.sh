@@ -66,9 +66,14 @@ KillWait=5
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 JobRequeue=1
+# Preemption as many clusters set it: a higher-priority partition takes the nodes, a job on the lower one gets
+# SIGTERM (not the --signal: no PreemptParameters=send_user_signal), GraceTime seconds to save, then SIGKILL.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 NodeName=n1 NodeHostname=n1 NodeAddr=127.0.0.2 Port=6821 CPUs=2 RealMemory=8000 State=UNKNOWN
 NodeName=n2 NodeHostname=n2 NodeAddr=127.0.0.3 Port=6822 CPUs=2 RealMemory=8000 State=UNKNOWN
-PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60
+PartitionName=urgent Nodes=n1,n2 MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 EOF
     cat >"$DIR/etc/slurmdbd.conf" <<EOF
 AuthType=auth/munge

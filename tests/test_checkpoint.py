@@ -32,17 +32,24 @@ KILLED_SAVE = textwrap.dedent(
     class StallHalfway:
         def __init__(self, path, mode):
             self.file = builtins.open(path, mode)
+            self.stall = str(path).endswith(".pt.tmp")  # the checkpoint's bytes, not its sidecar
         def __enter__(self):
             return self
         def __exit__(self, *exc):
             self.file.close()
+        def flush(self):
+            self.file.flush()
+        def fileno(self):
+            return self.file.fileno()
         def write(self, data):
+            if not self.stall:
+                return self.file.write(data)
             self.file.write(data[: len(data) // 2])
             self.file.flush()
             print("HALFWAY", flush=True)
             sys.stdin.read()  # never returns: the parent kills us here
 
-    checkpoint.open = StallHalfway  # write_atomic's open(): only the checkpoint bytes stall
+    checkpoint.open = StallHalfway  # the module's open(): only the checkpoint bytes stall
     checkpoint.write_atomic(state, directory / "step_99999999.pt")
     """
 )
@@ -65,13 +72,14 @@ def test_save_killed_midway_leaves_the_previous_checkpoint_and_the_run_resumes(l
 
     torn = ckpt_dir / f".{step_file_name(99999999)}.tmp"
     assert torn.exists() and torn.stat().st_size > 0  # the half-written bytes are there, under a temporary name
+    assert (ckpt_dir / f".{step_file_name(99999999)}.sha256.tmp").exists()  # the journal: not committed
     assert not (ckpt_dir / step_file_name(99999999)).exists()
     assert load(good)["step"] == 40  # the previous checkpoint is untouched and loads
 
     resumed = launch(*SMALL, "trainer.max_steps=64", f"hydra.run.dir={run_dir}")
     assert resumed.returncode == 0
     assert "resumed at step 40" in resumed.stdout
-    assert not torn.exists()  # the torn temporary file was cleaned up
+    assert not torn.exists() and not list(ckpt_dir.glob(".*"))  # the torn temporary files were rolled back
     assert sorted(ckpt_dir.glob("step_*.pt"))[-1].name == step_file_name(64)
 
 
@@ -103,7 +111,7 @@ def test_pruning_keeps_the_last_k_and_best_survives(tmp_path):
         manager.save(fake_state(step), step)
         if step == 2:
             manager.mark_best(step)
-    assert [p.name for _, p in manager.step_files()] == [step_file_name(3), step_file_name(4)]
+    assert [c.path.name for c in manager.committed()] == [step_file_name(3), step_file_name(4)]
     assert load(tmp_path / BEST)["step"] == 2  # best.pt outlives its pruned step file
 
 
@@ -186,3 +194,94 @@ def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(tm
     assert f"The previous checkpoint ({step_file_name(1)}) is intact" in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == [step_file_name(1), f"{step_file_name(1)}.sha256"]
     assert load(tmp_path / step_file_name(1))["step"] == 1
+
+
+# --- The newest checkpoint is the one committed last (issue 11, item 1) ------------------------------------------
+
+def test_after_renumbered_steps_the_newest_commit_wins_and_stale_files_are_pruned(tmp_path):
+    first = CheckpointManager(tmp_path, CheckpointConfig(keep_last=3), is_writer=True)
+    for step in (10, 20, 30, 40):
+        first.save(fake_state(step), step)
+    # A resume with a bigger global batch renumbers step 40 as 20 and trains on: 30 is written again, later.
+    second = CheckpointManager(tmp_path, CheckpointConfig(keep_last=3), is_writer=True)
+    second.save(fake_state(30), 30)
+    assert [(c.step, c.commit) for c in second.committed()] == [(20, 1), (30, 4)]  # step 40 is gone
+    path, state = CheckpointManager(tmp_path, CheckpointConfig(keep_last=3), is_writer=True).newest_loadable()
+    assert path.name == step_file_name(30) and state["step"] == 30
+
+
+def test_resume_after_a_change_of_global_batch_never_rolls_back(launch, tmp_path):
+    """The reported scenario: 40 steps at batch 16, resumed at batch 32 to step 30, then extended to 35."""
+    run = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[16]", "trainer.procs_per_node=2",
+           "checkpoint.every_steps=10", "trainer.eval_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
+    assert launch(*run, "data.batch_size=16", "trainer.max_steps=40").returncode == 0
+    second = launch(*run, "data.batch_size=32", "trainer.max_steps=30")
+    assert second.returncode == 0 and "resumed at step 20" in second.stdout
+    third = launch(*run, "data.batch_size=32", "trainer.max_steps=35")
+    assert third.returncode == 0
+    assert "resumed at step 30" in third.stdout  # not the first run's stale step_00000040.pt
+    assert not (tmp_path / "run" / "checkpoints" / step_file_name(40)).exists()
+    assert load(tmp_path / "run" / "checkpoints" / step_file_name(35))["global_batch"] == 64
+
+
+# --- Only a bad file is damage (item 3) ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("error", [MemoryError(), OSError(5, "Input/output error")])
+def test_an_error_that_is_not_damage_stops_the_resume_and_leaves_the_files_alone(tmp_path, monkeypatch, error):
+    import train.checkpoint as checkpoint
+
+    manager = CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True)
+    for step in (1, 2):
+        manager.save(fake_state(step), step)
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(checkpoint.torch if isinstance(error, MemoryError) else checkpoint, "load" if isinstance(error, MemoryError) else "_read_chunks", failing)
+    with pytest.raises(type(error)):
+        CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True).newest_loadable()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing renamed *.damaged, nothing removed
+
+
+# --- best.pt and its checksum change together (item 6) -----------------------------------------------------------
+
+@pytest.mark.parametrize("crash_after_renames", [0, 1])
+def test_a_crash_while_marking_best_leaves_a_best_that_matches_its_checksum(tmp_path, monkeypatch, crash_after_renames):
+    import train.checkpoint as checkpoint
+
+    manager = CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True)
+    for step in (1, 2):
+        manager.save(fake_state(step), step)
+    manager.mark_best(1)
+    real_replace, calls = os.replace, []
+
+    def crashing_replace(src, dst):
+        if len(calls) == crash_after_renames:
+            raise KeyboardInterrupt("power cut")  # not an OSError: nothing in the code may clean up after it
+        calls.append(dst)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", crashing_replace)
+    with pytest.raises(KeyboardInterrupt):
+        manager.mark_best(2)
+    monkeypatch.setattr(checkpoint.os, "replace", real_replace)
+    CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True)  # the next start recovers
+    # Before the commit point the old best stays, after it the new one: never a mismatch with its checksum.
+    assert load(tmp_path / BEST)["step"] == (1 if crash_after_renames == 0 else 2)
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_best_is_copied_and_verified_where_hard_links_fail(tmp_path, monkeypatch):
+    import train.checkpoint as checkpoint
+
+    manager = CheckpointManager(tmp_path, CheckpointConfig(), is_writer=True)
+    manager.save(fake_state(3), 3)
+
+    def no_links(*args):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(checkpoint.os, "link", no_links)
+    manager.mark_best(3)
+    assert os.stat(tmp_path / BEST).st_ino != os.stat(tmp_path / step_file_name(3)).st_ino
+    assert load(tmp_path / BEST)["step"] == 3

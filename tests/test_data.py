@@ -132,3 +132,22 @@ def test_resnet18_is_the_cifar_variant():
     assert len(blocks(model)) == 10  # stem, 4 stages x 2 basic blocks, head
     assert not any(isinstance(m, torch.nn.MaxPool2d) for m in model.modules())
     assert 11_000_000 < sum(p.numel() for p in model.parameters()) < 11_300_000  # ResNet-18's ~11.2M
+
+
+def test_augmentation_hashes_its_seed_on_the_host_with_the_same_numbers(monkeypatch):
+    """No torch.tensor(...) per batch: on a GPU that is a blocking host-to-device copy every step."""
+    import random
+
+    import train.batches as batches
+
+    values = [0, 1, -5, 2**62, 2**63 - 1, -(2**63)] + [random.Random(1).randrange(-(2**63), 2**63) for _ in range(200)]
+    assert batches._mix(torch.tensor(values)).tolist() == [batches._mix_int(v) for v in values]
+
+    images, indices = torch.rand(4, 1, 8, 8), torch.arange(4)
+    expected = augment(images, indices, seed=3, epoch=1)
+
+    def no_host_tensors(*args, **kwargs):
+        raise AssertionError("augment() built a tensor from host data")
+
+    monkeypatch.setattr(batches.torch, "tensor", no_host_tensors)
+    assert torch.equal(augment(images, indices, seed=3, epoch=1), expected)

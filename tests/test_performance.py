@@ -66,3 +66,17 @@ def test_channels_last_is_chosen_for_conv_models_on_gpus_only():
     assert memory_format(auto, mlp, cuda) == torch.contiguous_format
     assert memory_format(auto, cnn, cpu) == torch.contiguous_format
     assert memory_format(TrainerConfig(memory_format="channels_last"), cnn, cpu) == torch.channels_last
+
+
+def test_a_slow_forward_on_one_rank_is_named_although_every_step_slows(launch, tmp_path):
+    """What a slow GPU looks like: its forward takes longer, and the all-reduce makes every rank's step wait for it.
+    Step times cannot tell the ranks apart; the forward time (CUDA events on GPUs, host time here) does."""
+    env = {**fault_env("slow_forward", rank=1), "FAULT_DELAY_MS": str(STALL_MS)}
+    proc = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.max_steps=12",
+                  "trainer.log_every=4", f"hydra.run.dir={tmp_path / 'run'}", env=env)
+    assert proc.returncode == 0
+    for r in [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]:
+        assert r["forward_time_slowest_rank"] == 1
+        assert r["forward_time_max_s"] >= STALL_MS / 1000 > 2 * r["forward_time_min_s"]
+        assert r["step_time_min_s"] >= STALL_MS / 1000 * 0.9  # the healthy rank's steps are as slow
+    assert "slowest forward: rank 1" in proc.stdout

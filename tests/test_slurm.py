@@ -190,3 +190,19 @@ def test_the_sbatch_script_asks_for_the_world_the_config_describes():
                  "#SBATCH --signal=USR1@300", "#SBATCH --requeue", "#SBATCH --time=60", "export SUBMITIT_PREEMPT_SIGNAL=USR1",
                  "unset MASTER_ADDR MASTER_PORT RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE"):
         assert line in script
+
+
+def test_each_task_gets_its_share_of_the_node_cpus_and_survives_a_preemption_sigterm():
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    from conftest import typed
+    from launcher.slurm import executor_parameters
+
+    gpu_job = typed("launcher=slurm", "trainer.nodes=2", "trainer.gpus=8")
+    script = _make_sbatch_string(command="python -m x", folder="/tmp/f", **executor_parameters(gpu_job, cpus_per_node=64))
+    assert "#SBATCH --cpus-per-task=8" in script  # not SLURM's default of one CPU per rank
+    assert "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}" in script
+    assert "trap '' TERM" in script.split("# command")[0]  # before the srun line: the batch shell outlives a SIGTERM
+    explicit = typed("launcher=slurm", "trainer.gpus=8", "launcher.cpus_per_task=3")
+    assert executor_parameters(explicit, cpus_per_node=64)["cpus_per_task"] == 3
+    assert "cpus_per_task" not in executor_parameters(gpu_job, cpus_per_node=0)  # unknown: left to SLURM

@@ -113,3 +113,30 @@ def test_the_launcher_knows_the_pipeline_schedules_the_trainer_has():
     from train.strategies import PIPELINE_SCHEDULES
 
     assert set(PIPELINE_SCHEDULES) == set(SCHEDULES)
+
+
+# A conv model with active clipping (the norm of the first steps is far above 0.05) and channels_last batches.
+CONV = [*IDENTITY, "model=cnn", "model.width=4", "trainer.procs_per_node=2", "data.batch_size=16",
+        "trainer.memory_format=channels_last", "trainer.grad_clip=0.05"]
+
+
+def test_fsdp_trains_conv_models_in_channels_last_and_clips_like_ddp(launch, tmp_path):
+    """fully_shard refuses channels_last parameters: FSDP keeps them contiguous, the batches stay channels_last.
+    Clipping sums each rank's shard norms over the ranks: the same clipped weights as DDP's whole-gradient norm."""
+    for strategy in ("ddp", "fsdp"):
+        proc = launch(*CONV, f"trainer.strategy={strategy}", f"hydra.run.dir={tmp_path / strategy}")
+        assert proc.returncode == 0, f"{strategy} with channels_last failed"
+    assert_same_weights(final_checkpoint(tmp_path / "fsdp")["model"], final_checkpoint(tmp_path / "ddp")["model"])
+
+
+def test_fsdp_bf16_keeps_batchnorm_in_float32(launch, tmp_path):
+    """bf16 parameters with float32 running statistics fail in BatchNorm: its layers get their own float32 group."""
+    proc = launch(*IDENTITY, "model=resnet18", "model.width=4", "data.channels=3", "trainer.procs_per_node=2",
+                  "data.batch_size=16", "trainer.strategy=fsdp", "trainer.precision=bf16", "trainer.max_steps=6",
+                  f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0
+    model = final_checkpoint(tmp_path / "run")["model"]
+    assert model["stem.1.weight"].dtype == model["stem.1.running_var"].dtype == torch.float32
+    assert not torch.equal(model["stem.1.running_var"], torch.ones_like(model["stem.1.running_var"]))  # it ran
+    [evaluation] = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"]
+    assert 0 < evaluation["loss"] < 10

@@ -15,13 +15,32 @@ from torch.utils.data import DistributedSampler
 from train.data import Datasets, TensorData
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A splitmix64-style integer hash, vectorised (int64 arithmetic wraps around)."""
+def _mix(x):
+    """A splitmix64-style integer hash of int64 tensors (arithmetic wraps around), or of a Python int (the same
+    numbers, via `_mix_int`)."""
+    if isinstance(x, int):
+        return _mix_int(x)
     x = x * -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
     x = x ^ ((x >> 31) & 0x1FFFFFFFF)
     x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9
     x = x ^ ((x >> 29) & 0x7FFFFFFFF)
     x = x * -7723592293110705685  # 0x94D049BB133111EB
+    return (x ^ ((x >> 32) & 0xFFFFFFFF)) & 0x7FFFFFFFFFFFFFFF
+
+
+def _wrap(x: int) -> int:
+    """Python int -> the int64 that tensor arithmetic would hold."""
+    x &= 0xFFFFFFFFFFFFFFFF
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _mix_int(x: int) -> int:
+    """`_mix` on one number, on the host: building a device tensor for it would be a blocking copy per batch."""
+    x = _wrap(x * -7046029254386353131)
+    x = x ^ ((x >> 31) & 0x1FFFFFFFF)
+    x = _wrap(x * -4658895280553007687)
+    x = x ^ ((x >> 29) & 0x7FFFFFFFF)
+    x = _wrap(x * -7723592293110705685)
     return (x ^ ((x >> 32) & 0xFFFFFFFF)) & 0x7FFFFFFFFFFFFFFF
 
 
@@ -34,7 +53,7 @@ def augment(images: torch.Tensor, indices: torch.Tensor, seed: int, epoch: int, 
     """
     n, _, h, w = images.shape
     device = images.device
-    r = _mix(indices.long() + _mix(torch.tensor(seed * 1_000_003 + epoch, device=device)))
+    r = _mix(indices.long() + _mix_int(seed * 1_000_003 + epoch))  # no host-to-device copy
     dy = r % (2 * pad + 1)
     dx = (r // (2 * pad + 1)) % (2 * pad + 1)
     flip = (r // (2 * pad + 1) ** 2) % 2 == 1

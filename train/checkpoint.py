@@ -1,10 +1,20 @@
-"""Checkpoint files: atomic writes, checksums, keep-last-k plus best, and finding the newest one that loads.
+"""Checkpoint files: atomic commits, checksums, a commit sequence, keep-last-k plus best, and finding the newest
+one that loads.
 
 A checkpoint is a dict saved with `torch.save` that loads with `torch.load(weights_only=True)`: its "model"
-entry is the plain state_dict of the unwrapped model. A file only ever appears under its final name complete
-(temporary file, fsync, rename), next to a `NAME.sha256` written before it (`sha256sum -c` reads it), and older
-files are pruned only after the new one is committed, so a crash at any moment leaves the last good checkpoint
-loadable, and a file damaged later (truncated, bit flips) is detected instead of half-loaded.
+entry is the plain state_dict of the unwrapped model. Beside every file, `NAME.sha256` holds its checksum in
+`sha256sum -c` format, after a `#` line that records the commit sequence and the step:
+
+    # commit=7 step=30
+    3f5a...  step_00000030.pt
+
+The newest checkpoint is the one committed last (the highest commit number), not the one with the highest step:
+after a change of global batch the steps are renumbered, and an earlier run's files may carry bigger numbers.
+
+A commit is journaled so that a crash at any moment leaves either the old state or the new one: the sidecar is
+written first under a temporary name (its presence marks the write as unfinished), then the data under a
+temporary name, both fsynced; renaming the sidecar is the commit point, renaming the data follows. On start the
+writer rolls a committed write forward and an unfinished one back (`recover`).
 """
 
 from __future__ import annotations
@@ -15,6 +25,8 @@ import logging
 import os
 import pickle
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,11 +38,33 @@ log = logging.getLogger(__name__)
 STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 BEST = "best.pt"
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "epoch", "step_in_epoch", "rng", "config")
+CHUNK_BYTES = 64 << 20  # reads and writes go in chunks: each one is progress (see `Progress`), not a hang
+LEGACY = -1  # the commit number of a file written before commit numbers were recorded: older than any other
+
+Progress = Callable[[], None]  # called after each chunk read or written: the watchdog's heartbeat
+
+
+def _no_progress() -> None:
+    pass
 
 
 def step_file_name(step: int) -> str:
     return f"step_{step:08d}.pt"
 
+
+class CheckpointSaveError(OSError):
+    """A save failed (full disk, quota, I/O error); the previous checkpoint is untouched."""
+
+
+class CheckpointDamaged(ValueError):
+    """The file itself is bad (a failed checksum, an unreadable archive, not a checkpoint): skip it for good.
+
+    Anything else that goes wrong while loading (out of memory, an I/O error of a shared file system) is not
+    damage: it propagates and the files are left alone."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files on disk
 
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
@@ -40,87 +74,178 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-class CheckpointSaveError(OSError):
-    """A save failed (full disk, quota, I/O error); the previous checkpoint is untouched."""
-
-
-def _digest_path(path: Path) -> Path:
+def sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+def _write_chunks(path: Path, data, progress: Progress) -> None:
+    view = memoryview(data)
+    with open(path, "wb") as f:
+        for start in range(0, len(view), CHUNK_BYTES):
+            f.write(view[start : start + CHUNK_BYTES])
+            progress()
         f.flush()
         os.fsync(f.fileno())
+
+
+def _read_chunks(path: Path, progress: Progress) -> tuple[bytes, str]:
+    """The file's bytes and their sha256, read chunk by chunk."""
+    digest, parts = hashlib.sha256(), []
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            digest.update(chunk)
+            parts.append(chunk)
+            progress()
+    return b"".join(parts), digest.hexdigest()
+
+
+def sidecar_text(digest: str, name: str, meta: dict[str, int]) -> str:
+    header = " ".join(f"{key}={value}" for key, value in meta.items())
+    return f"# {header}\n{digest}  {name}\n"
+
+
+def read_sidecar(path: Path) -> tuple[str | None, dict[str, int]]:
+    """(digest, metadata) from `path`'s sidecar; (None, {}) when it has none."""
+    try:
+        text = sidecar(path).read_text()
+    except FileNotFoundError:
+        return None, {}
+    digest, meta = None, {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            for item in line[1:].split():
+                key, _, value = item.partition("=")
+                if value.lstrip("-").isdigit():
+                    meta[key] = int(value)
+        elif line.strip():
+            digest = line.split()[0]
+    return digest, meta
+
+
+def publish(path: Path, write_data: Callable[[Path], None], sidecar_content: str) -> None:
+    """Commit a file and its sidecar as one step (see the module docstring for the journal)."""
+    side, side_tmp, tmp = sidecar(path), _temporary(sidecar(path)), _temporary(path)
+    _write_chunks(side_tmp, sidecar_content.encode(), _no_progress)  # first: marks the write as unfinished
+    write_data(tmp)
+    os.replace(side_tmp, side)  # the commit point
+    _fsync_dir(path.parent)
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
-def write_atomic(state: dict, path: Path) -> str:
+def recover(directory: Path) -> None:
+    """Finish what a crash interrupted: roll committed writes forward, unfinished ones back, drop orphans."""
+    for side_tmp in directory.glob(".*.sha256.tmp"):  # not committed: the old files (if any) are intact
+        final = directory / side_tmp.name[1 : -len(".sha256.tmp")]
+        _temporary(final).unlink(missing_ok=True)
+        side_tmp.unlink()
+    for tmp in directory.glob(".*.tmp"):
+        final = directory / tmp.name[1 : -len(".tmp")]
+        if sidecar(final).exists():  # committed: the data was complete and fsynced before the commit
+            os.replace(tmp, final)
+        else:
+            tmp.unlink()
+    for side in directory.glob("*.sha256"):  # its file was removed (pruning, moved aside) before the sidecar
+        if not side.with_suffix("").exists():
+            side.unlink()
+
+
+def write_atomic(state: dict, path: Path, meta: dict[str, int] | None = None, progress: Progress = _no_progress) -> str:
     """Write `state` to `path` so that `path` is either absent, the old file, or the complete new file.
 
     Returns the file's sha256. On failure, nothing is left behind and CheckpointSaveError says what happened.
     """
-    tmp = path.with_name(f".{path.name}.tmp")
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getbuffer()
+    digest = hashlib.sha256(data).hexdigest()
     try:
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        data = buffer.getbuffer()
-        digest = hashlib.sha256(data).hexdigest()
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        _write_text_atomic(_digest_path(path), f"{digest}  {path.name}\n")  # before the file: never unverifiable
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        publish(path, lambda tmp: _write_chunks(tmp, data, progress), sidecar_text(digest, path.name, meta or {}))
     except OSError as error:
-        tmp.unlink(missing_ok=True)
+        _temporary(path).unlink(missing_ok=True)
+        _temporary(sidecar(path)).unlink(missing_ok=True)
         raise CheckpointSaveError(f"could not save {path}: {error}") from error
     return digest
 
 
-def load(path: Path, map_location: str | torch.device = "cpu") -> dict:
-    """Load a checkpoint after checking its sha256. Weights only: a file that carries pickled code is refused."""
-    data = path.read_bytes()
-    digest_file = _digest_path(path)
-    if digest_file.exists():
-        expected = digest_file.read_text().split()[0]
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != expected:
-            raise ValueError(f"{path.name} is corrupted: its sha256 is {actual[:12]}..., {digest_file.name} says {expected[:12]}...")
-    else:
-        log.warning("%s has no %s; loading it unverified", path.name, digest_file.name)
+# The messages of torch.load (and zipfile) for bytes that are not a readable archive.
+UNREADABLE = ("PytorchStreamReader", "central directory", "zip archive", "invalid header", "unexpected EOF")
+
+
+def load(path: Path, map_location: str | torch.device = "cpu", progress: Progress = _no_progress) -> dict:
+    """Load a checkpoint after checking its sha256. Weights only: a file that carries pickled code is refused.
+
+    Raises CheckpointDamaged when the file is bad; any other error (memory, I/O) propagates as it is."""
+    expected, _ = read_sidecar(path)
+    data, actual = _read_chunks(path, progress)
+    if expected is None:
+        log.warning("%s has no %s; loading it unverified", path.name, sidecar(path).name)
+    elif actual != expected:
+        raise CheckpointDamaged(f"{path.name} is corrupted: its sha256 is {actual[:12]}..., {sidecar(path).name} says {expected[:12]}...")
     try:
         state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
-        if "Weights only load failed" not in str(error):
+        if "Weights only load failed" in str(error):
+            raise CheckpointDamaged(
+                f"{path.name} was refused: besides tensors and plain containers it holds pickled objects, which can "
+                f"run arbitrary code when loaded (torch.load weights_only=True refuses them). If you trust the file, "
+                f"load it yourself with weights_only=False and save its plain state_dicts again."
+            ) from None
+        raise CheckpointDamaged(f"{path.name} is not a readable checkpoint ({error})") from error
+    except (RuntimeError, EOFError) as error:
+        unreadable = isinstance(error, EOFError) or any(text in str(error) for text in UNREADABLE)
+        # Verified bytes that do not load, or another error (out of memory), are not damage: let it propagate.
+        if expected is not None or not unreadable:
             raise
-        raise ValueError(
-            f"{path.name} was refused: besides tensors and plain containers it holds pickled objects, which can run "
-            f"arbitrary code when loaded (torch.load weights_only=True refuses them). If you trust the file, load it "
-            f"yourself with weights_only=False and save its plain state_dicts again."
-        ) from None
+        raise CheckpointDamaged(f"{path.name} is not a readable archive ({error})") from error
     missing = [k for k in REQUIRED_KEYS if k not in state] if isinstance(state, dict) else list(REQUIRED_KEYS)
     if missing:
-        raise ValueError(f"{path} is not a training checkpoint (missing {', '.join(missing)})")
+        raise CheckpointDamaged(f"{path} is not a training checkpoint (missing {', '.join(missing)})")
     return state
 
+
+# ---------------------------------------------------------------------------------------------------------------
+# The checkpoints of a run
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
+@dataclass(frozen=True)
+class Committed:
+    commit: int  # order of writing (LEGACY for files without a recorded one)
+    step: int
+    path: Path
+
+
+def committed(directory: Path) -> list[Committed]:
+    """The step checkpoints in `directory`, oldest commit first (read-only: any rank, the launcher)."""
+    found = []
+    for path in directory.glob("step_*.pt"):
+        match = STEP_FILE.match(path.name)
+        if match:
+            found.append(Committed(read_sidecar(path)[1].get("commit", LEGACY), int(match.group(1)), path))
+    return sorted(found, key=lambda c: (c.commit, c.step))
+
+
 def refuse_fresh_start_over(run_dir: Path) -> None:
     """checkpoint.resume=false must not train over (and later prune) an earlier run's checkpoints."""
-    found = sorted(p.name for p in checkpoint_dir(run_dir).glob("step_*.pt"))
+    found = committed(checkpoint_dir(run_dir))
     if found:
         raise FileExistsError(
             f"checkpoint.resume=false, but {checkpoint_dir(run_dir)} already holds {len(found)} checkpoint(s) "
-            f"(newest {found[-1]}): choose a new run directory (hydra.run.dir=...), delete them, or resume "
+            f"(newest {found[-1].path.name}): choose a new run directory (hydra.run.dir=...), delete them, or resume "
             f"(checkpoint.resume=true)."
         )
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    sidecar(path).unlink(missing_ok=True)
 
 
 class CheckpointManager:
@@ -131,82 +256,77 @@ class CheckpointManager:
         self.cfg = cfg
         self.is_writer = is_writer
         self.saved_step = -1  # the step whose state is already on disk (no second save of the same state)
+        self.next_commit = 0
         if is_writer:
             directory.mkdir(parents=True, exist_ok=True)
-            for stale in directory.glob(".*.tmp"):  # left by a save that was killed midway
-                stale.unlink()
-            for digest in directory.glob("*.sha256"):  # a save killed between its checksum and its rename
-                if not digest.with_suffix("").exists():
-                    digest.unlink()
+            recover(directory)
+            self.next_commit = max((c.commit for c in committed(directory)), default=LEGACY) + 1
 
     def due(self, step: int) -> bool:
         return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
 
-    def step_files(self) -> list[tuple[int, Path]]:
-        """(step, path) of the step checkpoints, oldest first."""
-        found = []
-        for path in self.directory.glob("step_*.pt"):
-            match = STEP_FILE.match(path.name)
-            if match:
-                found.append((int(match.group(1)), path))
-        return sorted(found)
+    def committed(self) -> list[Committed]:
+        return committed(self.directory)
 
-    def save(self, state: dict, step: int) -> None:
+    def save(self, state: dict, step: int, progress: Progress = _no_progress) -> None:
         self.saved_step = step
         if not self.is_writer:
             return
         path = self.directory / step_file_name(step)
         try:
-            write_atomic(state, path)
+            write_atomic(state, path, {"commit": self.next_commit, "step": step}, progress)
         except CheckpointSaveError as error:
-            previous = self.step_files()
+            previous = self.committed()
             raise CheckpointSaveError(
-                f"{error}. The previous checkpoint ({previous[-1][1].name if previous else 'none'}) is intact: free "
+                f"{error}. The previous checkpoint ({previous[-1].path.name if previous else 'none'}) is intact: free "
                 f"space in {self.directory} and run the same command again to resume from it."
             ) from error
-        self._prune(step)
+        self.next_commit += 1
+        self._prune()
 
     def mark_best(self, step: int) -> None:
-        """best.pt is a hard link to the step file (no second write), replaced atomically."""
+        """best.pt is a hard link to the step file (no second write), committed like a step file."""
         if not self.is_writer:
             return
-        path = self.directory / step_file_name(step)
-        best = self.directory / BEST
-        tmp = self.directory / f".{BEST}.tmp"
-        tmp.unlink(missing_ok=True)
-        try:
-            os.link(path, tmp)
-        except OSError:  # file systems without hard links
-            tmp.write_bytes(path.read_bytes())
-        digest = _digest_path(path).read_text().split()[0]
-        _write_text_atomic(_digest_path(best), f"{digest}  {BEST}\n")
-        os.replace(tmp, best)
-        _fsync_dir(self.directory)
+        source = self.directory / step_file_name(step)
+        digest, meta = read_sidecar(source)
 
-    def _prune(self, newest: int) -> None:
-        """Delete all but the last keep_last checkpoints up to the one just committed (never that one)."""
-        files = [path for step, path in self.step_files() if step <= newest]
-        for path in files[: max(0, len(files) - max(1, self.cfg.keep_last))]:
-            path.unlink()
-            _digest_path(path).unlink(missing_ok=True)
+        def link_or_copy(tmp: Path) -> None:
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(source, tmp)
+            except OSError:  # file systems without hard links
+                _write_chunks(tmp, source.read_bytes(), _no_progress)
 
-    def newest_loadable(self) -> tuple[Path, dict] | tuple[None, None]:
-        """The newest step checkpoint that loads (writer only).
+        publish(self.directory / BEST, link_or_copy, sidecar_text(digest, BEST, meta))
+
+    def _prune(self) -> None:
+        """Keep the last keep_last commits; drop any file with a step beyond the newest commit's (a timeline that
+        a resume with renumbered steps abandoned: it must never be mistaken for the newest)."""
+        files = self.committed()
+        newest = files[-1]
+        kept = [c for c in files if c.step <= newest.step]
+        for c in files:
+            if c.step > newest.step:
+                log.info("removing %s: written before %s, by a run this one resumed with other step numbers", c.path.name, newest.path.name)
+                _remove(c.path)
+        for c in kept[: max(0, len(kept) - max(1, self.cfg.keep_last))]:
+            _remove(c.path)
+
+    def newest_loadable(self, progress: Progress = _no_progress) -> tuple[Path, dict] | tuple[None, None]:
+        """The newest committed step checkpoint that loads (writer only).
 
         A damaged one is reported and renamed to *.damaged: kept for inspection, but out of the way of resume
-        and pruning, and overwritten by nothing.
+        and pruning, and overwritten by nothing. Any other error stops here and leaves the files alone.
         """
-        for _, path in reversed(self.step_files()):
+        for c in reversed(self.committed()):
             try:
-                state = load(path)
-            except Exception as error:  # a torn or corrupted file: fall back to the previous one
-                aside = path.with_name(path.name + ".damaged")
-                log.warning(
-                    "checkpoint %s does not load (%s: %s); moved it to %s and trying the previous one",
-                    path, type(error).__name__, error, aside.name,
-                )
-                os.replace(path, aside)
-                _digest_path(path).unlink(missing_ok=True)
+                state = load(c.path, progress=progress)
+            except CheckpointDamaged as error:
+                aside = c.path.with_name(c.path.name + ".damaged")
+                log.warning("checkpoint %s does not load (%s); moved it to %s and trying the previous one", c.path, error, aside.name)
+                os.replace(c.path, aside)
+                sidecar(c.path).unlink(missing_ok=True)
                 continue
-            return path, state
+            return c.path, state
         return None, None

@@ -25,11 +25,13 @@ def _format(values: dict[str, float]) -> str:
             parts.append(f"{value:,.0f} samples/s")
         elif key in ("step_time_s", "data_time_s"):
             parts.append(f"{key[:-7]} {value * 1000:.1f} ms")
+        elif key == "forward_time_s":
+            continue  # shown below when one rank's forward is slow
         elif key == "acc":
             parts.append(f"acc {value:.2%}")
         else:
             parts.append(f"{key} {value:.4f}")
-    for name in ("step_time", "data_time"):
+    for name in ("step_time", "data_time", "forward_time"):
         median, slowest = values.get(f"{name}_s"), values.get(f"{name}_max_s")
         if median is not None and slowest is not None and slowest > STRAGGLER_RATIO * median + 1e-3:
             rank = values[f"{name}_slowest_rank"]

@@ -46,11 +46,26 @@ def resolve_backend(backend: str, gpus: int) -> str:
 
 def pick_device(env: DistEnv, gpus: int) -> torch.device:
     if gpus > 0:
-        device = torch.device("cuda", env.local_rank)
+        device = torch.device("cuda", local_device_index(env, torch.cuda.device_count()))
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True  # training shapes are fixed (full batches): tune once, reuse
         return device
     return torch.device("cpu")
+
+
+def local_device_index(env: DistEnv, visible: int) -> int:
+    """This process's GPU among those it sees: its local rank when every process sees all of the node's GPUs (as
+    torchrun leaves them); the first one when each task was given only its own (SLURM's --gpus-per-task or
+    --gpu-bind, a CUDA_VISIBLE_DEVICES per task)."""
+    if visible >= env.local_world_size:
+        return env.local_rank
+    if visible == 1:
+        return 0
+    raise RuntimeError(
+        f"rank {env.rank} sees {visible} GPUs for {env.local_world_size} processes on its node: either every process "
+        f"sees all of the node's GPUs or each sees exactly one. Check CUDA_VISIBLE_DEVICES and the GPU binding "
+        f"(SLURM --gpus-per-task / --gpu-bind)."
+    )
 
 
 def available_cores() -> int:
@@ -59,8 +74,19 @@ def available_cores() -> int:
 
 
 def default_threads(env: DistEnv) -> int:
-    """Share this machine's cores among the local processes: oversubscription slows every rank down."""
-    return max(1, available_cores() // env.local_world_size)
+    """The cores this process may use, counted once.
+
+    Under SLURM the CPUs are already the task's own (SLURM_CPUS_PER_TASK; with task binding the affinity is
+    per task too); elsewhere every local process sees the whole machine, which they share: oversubscription
+    slows every rank down."""
+    cores = available_cores()
+    if "SLURM_STEP_ID" in os.environ:
+        per_task = os.environ.get("SLURM_CPUS_PER_TASK", "")
+        if per_task.isdigit():
+            return max(1, min(cores, int(per_task)))
+        if cores < (os.cpu_count() or cores):  # bound to its own cores: they are this task's alone
+            return cores
+    return max(1, cores // env.local_world_size)
 
 
 def init_process_group(env: DistEnv, backend: str, device: torch.device, timeout_s: int) -> None:
@@ -73,6 +99,17 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, timeout
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
         )
+
+
+# The control group's waits are bounded by the watchdog of the rank they wait for (its exit breaks the connection),
+# not by a clock: a checkpoint write may take an hour on a slow file system and is still not a hang.
+CONTROL_TIMEOUT = timedelta(hours=24)
+
+
+def control_group() -> dist.ProcessGroup:
+    """A gloo group on the CPU, whatever the training backend: stop agreement, and waits on another rank's I/O
+    (which must not count against trainer.timeout_s, the limit of the training collectives)."""
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
 def cleanup() -> None:

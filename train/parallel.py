@@ -101,6 +101,22 @@ class DDPStrategy(Strategy):
         return loss.detach().float()
 
 
+@torch.no_grad()
+def clip_global_norm(grads: list[torch.Tensor], max_norm: float, device: torch.device) -> torch.Tensor:
+    """Clip gradients held in pieces across ranks (shards, stages) by the norm of all of them, as
+    nn.utils.clip_grad_norm_ would on the whole: each rank's sum of squares is all-reduced on `device` (where the
+    backend reduces), then every piece is scaled by the same factor. Collective. Returns the total norm."""
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        squares += g.float().square().sum().to(device)
+    dist.all_reduce(squares)
+    total = squares.sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.device, g.dtype))
+    return total
+
+
 def has_conv(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
 

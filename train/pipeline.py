@@ -24,7 +24,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from train.config import TrainerConfig
 from train.dist import DistEnv
 from train.models import blocks
-from train.parallel import Strategy
+from train.parallel import Strategy, clip_global_norm
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations that travel between stages in eval
@@ -62,11 +62,8 @@ class PipelineStrategy(Strategy):
         return torch.stack(losses).sum().detach()
 
     def clip_grad_norm(self, max_norm: float) -> None:
-        """Clip by the norm over all stages' gradients: each stage's sum of squares, added up across stages."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        squares = sum((g.detach().float().square().sum() for g in grads), torch.zeros((), device=self.device))
-        dist.all_reduce(squares)
-        nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, squares.sqrt())
+        """Clip by the norm over all stages' gradients."""
+        clip_global_norm([p.grad for p in self.model.parameters() if p.grad is not None], max_norm, self.device)
 
     @torch.no_grad()
     def eval_logits(self, images: torch.Tensor) -> torch.Tensor | None:

@@ -6,6 +6,7 @@ directory is the directory of the config snapshot: checkpoints, TensorBoard file
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ from train.parallel import Strategy, memory_format, place
 from train.strategies import build_strategy
 from train.state import Progress, build_state, gather_rng, restore_state, seed_rank
 from train.status import write_status
-from train.step import Meter, build_autocast, train_step
+from train.step import ForwardClock, Meter, build_autocast, train_step
 from train.stopping import StopRequest
 from train.watchdog import Watchdog
 
@@ -64,9 +65,11 @@ def main(config_path: str | Path) -> Outcome:
     device = distributed.pick_device(env, cfg.trainer.gpus)
     backend = distributed.resolve_backend(cfg.trainer.backend, cfg.trainer.gpus)
     distributed.init_process_group(env, backend, device, cfg.trainer.timeout_s)
+    watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s)  # from here on: loading a checkpoint is watched too
     try:
-        return fit(build(cfg, config_path.parent, env, device))
+        return fit(build(cfg, config_path.parent, env, device, distributed.control_group(), watchdog))
     finally:
+        watchdog.close()
         distributed.cleanup()
 
 
@@ -89,25 +92,36 @@ class Run:
     ckpt: CheckpointManager
     progress: Progress
     resumed: bool
+    control: torch.distributed.ProcessGroup  # gloo, no collective timeout: waits on another rank's I/O
+    watchdog: Watchdog
 
 
-def resume_state(ckpt: CheckpointManager, env: DistEnv) -> dict | None:
-    """Rank 0 picks the newest checkpoint that loads; every rank then loads that same file."""
+def resume_state(ckpt: CheckpointManager, env: DistEnv, control, watchdog: Watchdog) -> dict | None:
+    """Rank 0 picks the newest checkpoint that loads; every rank then loads that same file.
+
+    Reading and hashing beat the watchdog chunk by chunk; the ranks wait for each other on the control group, so a
+    read that takes longer than trainer.timeout_s is not mistaken for a hang."""
     chosen: list = [None]
     state = None
+    reading = lambda: watchdog.beat(0, "reading a checkpoint")  # noqa: E731
     if env.is_main and ckpt.cfg.resume:
-        path, state = ckpt.newest_loadable()
+        path, state = ckpt.newest_loadable(progress=reading)
         chosen = [str(path) if path else None]
     elif env.is_main:
         refuse_fresh_start_over(ckpt.directory.parent)
-    torch.distributed.broadcast_object_list(chosen, src=0)
+    with watchdog.paused("waiting for rank 0 to choose a checkpoint"):
+        torch.distributed.broadcast_object_list(chosen, src=0, group=control)
     if chosen[0] is None:
         return None
     log.info("resuming from %s", chosen[0])
-    return state if env.is_main else load(Path(chosen[0]))
+    if not env.is_main:
+        state = load(Path(chosen[0]), progress=reading)
+    with watchdog.paused("waiting for every rank to read the checkpoint"):
+        torch.distributed.barrier(group=control)
+    return state
 
 
-def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device) -> Run:
+def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, control, watchdog: Watchdog) -> Run:
     data = stage(build_datasets(cfg.data), device)
     plan = make_plan(cfg, env.world_size, len(data.train))
     torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank
@@ -121,28 +135,33 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device) -
 
     ckpt = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint, is_writer=env.is_main)
     progress = Progress()
-    state = resume_state(ckpt, env)
+    state = resume_state(ckpt, env, control, watchdog)
     if state is not None:
-        parts = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, plan=plan, env=env)
+        parts = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, plan=plan, env=env,
+                     config=to_dict(cfg))
         progress = restore_state(state, **parts)
         ckpt.saved_step = progress.step
     return Run(
         cfg, run_dir, env, device, data, plan, strategy, fmt, optimizer, scheduler, scaler,
-        build_autocast(cfg.trainer.precision, device), ckpt, progress, resumed=state is not None,
+        build_autocast(cfg.trainer.precision, device), ckpt, progress, resumed=state is not None, control=control,
+        watchdog=watchdog,
     )
 
 
 def save_checkpoint(run: Run, is_best: bool = False) -> None:
     """Every rank takes part (gathering RNG states, and the model's parts under fsdp or pipeline, are collectives);
-    only rank 0 writes."""
-    if run.ckpt.saved_step != run.progress.step:
+    only rank 0 writes, beating its watchdog per chunk, while the others wait for it on the control group."""
+    step = run.progress.step
+    if run.ckpt.saved_step != step:
         state = build_state(
             strategy=run.strategy, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
             progress=run.progress, plan=run.plan, rng=gather_rng(run.env), config=to_dict(run.cfg),
         )
-        run.ckpt.save(state, run.progress.step)
+        run.ckpt.save(state, step, progress=lambda: run.watchdog.beat(step, "writing a checkpoint"))
+        with run.watchdog.paused("waiting for rank 0 to write the checkpoint"):
+            torch.distributed.barrier(group=run.control)
     if is_best:
-        run.ckpt.mark_best(run.progress.step)
+        run.ckpt.mark_best(step)
 
 
 def describe_plan(run: Run) -> str:
@@ -179,77 +198,95 @@ def log_memory(run: Run, metrics, console, step: int) -> None:
     console.print(f"memory per rank, parameters + optimizer state ({run.cfg.trainer.strategy}): {', '.join(parts)}")
 
 
+def evaluation_due(run: Run) -> bool:
+    """At the end of the run, and after every trainer.eval_every-th epoch."""
+    step, plan, every = run.progress.step, run.plan, run.cfg.trainer.eval_every
+    epoch_end = step > 0 and step % plan.steps_per_epoch == 0
+    return step >= plan.stop_step or (epoch_end and every > 0 and (step // plan.steps_per_epoch) % every == 0)
+
+
+def evaluate_and_save(run: Run, metrics, console) -> dict[str, float]:
+    """Evaluate, then checkpoint: the file written at this step carries this evaluation (best_acc, best.pt)."""
+    progress, watchdog = run.progress, run.watchdog
+    result = evaluate(
+        run.strategy, run.data.eval, run.cfg.data.eval_batch_size, run.device, run.autocast,
+        heartbeat=lambda: watchdog.beat(progress.step, "evaluating"),
+    )
+    epoch = progress.step / run.plan.steps_per_epoch
+    metrics.log("eval", progress.step, {"loss": result["loss"], "acc": result["acc"], "epoch": epoch})
+    console.show_eval(progress.step, int(epoch), {"loss": result["loss"], "acc": result["acc"]})
+    is_best = result["acc"] > progress.best_acc
+    progress.best_acc = max(progress.best_acc, result["acc"])
+    progress.eval_step = progress.step
+    run.ckpt.saved_step = -1  # a file of this step written before the evaluation would carry a stale best_acc
+    save_checkpoint(run, is_best)
+    return result
+
+
 def fit(run: Run) -> Outcome:
-    cfg, plan, progress, env = run.cfg, run.plan, run.progress, run.env
+    cfg, plan, progress, env, watchdog = run.cfg, run.plan, run.progress, run.env, run.watchdog
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     console = build_console(env, cfg.trainer.progress, plan.stop_step, progress.step)
     metrics = build_metrics(env, run.run_dir, progress.step, hparams={**to_dict(cfg), "plan": plan.to_dict()})
     hosts: list = [None] * env.world_size
     torch.distributed.all_gather_object(hosts, socket.gethostname())  # where each rank runs, for the record
     if env.is_main:
-        (run.run_dir / PLAN_FILE).write_text(json.dumps({**plan.to_dict(), "hosts": hosts}, indent=2) + "\n")
+        record = {**plan.to_dict(), "hosts": hosts, "threads_per_process": torch.get_num_threads()}
+        (run.run_dir / PLAN_FILE).write_text(json.dumps(record, indent=2) + "\n")
     console.print(describe_plan(run))
-    stop = StopRequest(cfg.trainer.stop_signals, cfg.trainer.stop_check_every)
-    watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s)
+    stop = StopRequest(cfg.trainer.stop_signals, cfg.trainer.stop_check_every, run.control)
     batches = TrainBatches(
         run.data.train, cfg.data.batch_size, run.strategy.replica_rank, run.strategy.replicas, cfg.trainer.seed,
         cfg.data.augment, run.device, run.memory_format,
     )
-    meter = Meter(run.device)
+    # Not under compile: recording events inside the compiled forward would split its graph.
+    forward = None if cfg.trainer.compile else ForwardClock(run.strategy.model, run.device)
+    meter = Meter(run.device, forward)
     result: dict[str, float] = {}
     stopped = False
-    memory_logged = False
+    micro_batches = None
+    start = progress.step
 
-    while progress.step < plan.stop_step and not stopped:
+    if progress.step < plan.stop_step and progress.eval_step < progress.step and evaluation_due(run):
+        result = evaluate_and_save(run, metrics, console)  # resumed at an epoch end whose evaluation never ran
+
+    while progress.step < plan.stop_step:
         epoch, offset = divmod(progress.step, plan.steps_per_epoch)
-        micro_batches = batches.epoch(epoch, start=offset * cfg.trainer.accumulate)
-        for _ in range(offset, plan.steps_per_epoch):
+        if micro_batches is None or offset == 0:
+            micro_batches = batches.epoch(epoch, start=offset * cfg.trainer.accumulate)
+        compiling = cfg.trainer.compile and progress.step == start  # the first step compiles: minutes, not a hang
+        with watchdog.paused("compiling the first step") if compiling else contextlib.nullcontext():
             train_step(run.strategy, micro_batches, run.optimizer, run.scheduler, run.scaler, run.autocast, cfg.trainer, meter)
-            progress.step += 1
-            if not memory_logged:  # after this attempt's first step: the optimizer state exists now
-                log_memory(run, metrics, console, progress.step)
-                memory_logged = True
-            watchdog.beat(progress.step)
-            console.advance(progress.step)
-            if progress.step % cfg.trainer.log_every == 0:
-                values = {
-                    **meter.reduce(plan.global_batch, plan.replicas),
-                    "lr": run.scheduler.get_last_lr()[0],
-                    "epoch": progress.step / plan.steps_per_epoch,
-                    "restarts": restarts,
-                }
-                metrics.log("train", progress.step, values)
-                console.show(progress.step, epoch, values)
-            if run.ckpt.due(progress.step):
-                watchdog.beat(progress.step, "saving a checkpoint")
-                save_checkpoint(run)
-                meter.restart_clock()
-            if progress.step >= plan.stop_step:
-                break
-            if stop.agreed(progress.step):
-                watchdog.beat(progress.step, "saving a checkpoint before stopping")
-                save_checkpoint(run)
-                stopped = True
-                break
-
-        epoch_done = progress.step % plan.steps_per_epoch == 0
-        eval_due = cfg.trainer.eval_every > 0 and (epoch + 1) % cfg.trainer.eval_every == 0
-        if not stopped and (progress.step >= plan.stop_step or (epoch_done and eval_due)):
-            result = evaluate(
-                run.strategy, run.data.eval, cfg.data.eval_batch_size, run.device, run.autocast,
-                heartbeat=lambda: watchdog.beat(progress.step, "evaluating"),
-            )
-            epoch_float = progress.step / plan.steps_per_epoch
-            metrics.log("eval", progress.step, {"loss": result["loss"], "acc": result["acc"], "epoch": epoch_float})
-            console.show_eval(progress.step, int(epoch_float), {"loss": result["loss"], "acc": result["acc"]})
-            is_best = result["acc"] > progress.best_acc
-            progress.best_acc = max(progress.best_acc, result["acc"])
-            watchdog.beat(progress.step, "saving a checkpoint")
-            save_checkpoint(run, is_best)
+        progress.step += 1
+        if progress.step == start + 1:  # this attempt's first step: the optimizer state exists now
+            log_memory(run, metrics, console, progress.step)
+        watchdog.beat(progress.step)
+        console.advance(progress.step)
+        if progress.step % cfg.trainer.log_every == 0:
+            values = {
+                **meter.reduce(plan.global_batch, plan.replicas),
+                "lr": run.scheduler.get_last_lr()[0],
+                "epoch": progress.step / plan.steps_per_epoch,
+                "restarts": restarts,
+            }
+            metrics.log("train", progress.step, values)
+            console.show(progress.step, epoch, values)
+        if evaluation_due(run):
+            result = evaluate_and_save(run, metrics, console)
             meter.restart_clock()
+        elif run.ckpt.due(progress.step):
+            save_checkpoint(run)
+            meter.restart_clock()
+        if progress.step >= plan.stop_step:
+            break
+        if stop.agreed(progress.step):  # after the evaluation of an epoch that ends here, never instead of it
+            save_checkpoint(run)
+            stopped = True
+            break
 
     stop.close()
-    watchdog.close()
+    if forward is not None:
+        forward.close()
     console.close()
     metrics.close()
     if stopped:

@@ -4,6 +4,11 @@ Each declared block of the model (see `train.models.blocks`) and then the root a
 rank keeps 1/world of every parameter, its gradient and its optimizer state, gathers a block's parameters just
 before using it and frees them after. The batch is split as under DDP, so the two reach the same weights.
 
+Parameters are sharded contiguous: `fully_shard` refuses other layouts. With channels_last (`trainer.memory_format`)
+the batches stay channels_last and the convolutions keep that layout for their activations (they pick it from
+the input or the weight). Under bf16, parameters are gathered in bf16 except those of BatchNorm layers, whose
+running statistics are float32 (their own float32 group); gradients are reduced in float32.
+
 Checkpoints hold full state dicts gathered onto rank 0 (`torch.distributed.checkpoint.state_dict` with
 full_state_dict): the same single file, the same `"model"` a single device loads, resumable under fsdp at any
 world size. The price is that rank 0 must hold the whole model in host memory while saving; a model too big for
@@ -15,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,7 +34,26 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from train.config import TrainerConfig
 from train.dist import DistEnv
 from train.models import blocks
-from train.parallel import Strategy
+from train.parallel import Strategy, clip_global_norm
+
+FLOAT32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """bf16: gather parameters in bf16 (half the traffic), reduce gradients in float32 (no precision lost)."""
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """What `fully_shard` is applied to, innermost first, each module once: the BatchNorm layers (their own
+    float32 group), the declared blocks, then the root (whatever the others do not cover; it also starts the
+    first gather early). A model that declares no blocks is one unit."""
+    units = [m for m in model.modules() if isinstance(m, _BatchNorm)] + blocks(model) + [model]
+    seen: set[int] = set()
+    return [m for m in units if not (id(m) in seen or seen.add(id(m)))]
+
 
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU only
 SCATTER = StateDictOptions(full_state_dict=True)  # every rank reads the whole state and keeps its shards
@@ -40,15 +65,12 @@ class FSDPStrategy(Strategy):
 
     def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv, device: torch.device):
         super().__init__(model, cfg, env, device)
+        model.to(memory_format=torch.contiguous_format)
         mesh = init_device_mesh(device.type, (env.world_size,))
-        policy = {"mesh": mesh}
-        if device.type == "cuda" and cfg.precision == "bf16":
-            # Gather parameters in bf16 (half the traffic), reduce gradients in float32 (no precision lost).
-            policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        policy["offload_policy"] = CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy()
-        for block in blocks(model):
-            fully_shard(block, **policy)
-        fully_shard(model, **policy)  # the root: whatever the blocks do not cover; starts the first gather early
+        offload = CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy()
+        policy = {"mesh": mesh, "offload_policy": offload}
+        for unit in shard_units(model):
+            fully_shard(unit, **policy, mp_policy=FLOAT32 if isinstance(unit, _BatchNorm) else mixed_precision(cfg.precision))
 
     def forward_backward(self, images, labels, *, sync: bool, autocast, scaler) -> torch.Tensor:
         self.model.set_requires_gradient_sync(sync)  # FSDP's no_sync: accumulate unsharded, reduce-scatter last
@@ -56,6 +78,12 @@ class FSDPStrategy(Strategy):
             loss = F.cross_entropy(self.model(images), labels) / self.cfg.accumulate
         loss.backward()  # fp16 (a grad scaler) is refused for fsdp before start
         return loss.detach().float()
+
+    def clip_grad_norm(self, max_norm: float) -> None:
+        """By the norm of the whole gradient: each rank's shards, summed over ranks on the training device (with CPU
+        offload the shards are in host memory, and NCCL reduces only GPU tensors)."""
+        grads = [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
+        clip_global_norm(grads, max_norm, self.device)
 
     def model_state(self) -> dict:
         return get_model_state_dict(self.model, options=GATHER)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from train.config import flatten
 from train.dist import DistEnv
 from train.optim import Plan
 from train.parallel import Strategy
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 class Progress:
     step: int = 0  # optimizer steps taken
     best_acc: float = -1.0  # best evaluation accuracy so far (for best.pt)
+    eval_step: int = -1  # the step of the last evaluation (an epoch end without one is evaluated on resume)
 
 
 def seed_rank(seed: int) -> None:
@@ -93,6 +95,8 @@ def build_state(
         "step_in_epoch": step_in_epoch,
         "samples_seen": progress.step * plan.global_batch,
         "best_acc": progress.best_acc,
+        "eval_step": progress.eval_step,
+        "plan": plan.to_dict(),
         "world_size": plan.world_size,
         "global_batch": plan.global_batch,
         "rng": rng,
@@ -109,6 +113,7 @@ def restore_state(
     scaler: torch.amp.GradScaler,
     plan: Plan,
     env: DistEnv,
+    config: dict,
 ) -> Progress:
     """Put a checkpoint back. Same world size and global batch: exactly where it stopped, RNG included.
 
@@ -116,6 +121,9 @@ def restore_state(
     depend on the world size) with the new plan's lr and schedule; each rank that existed before gets its RNG
     back, new ranks keep their fresh seeds. Exact to floating-point reordering when the global batch is
     unchanged; not bitwise (per-rank random streams are regrouped).
+
+    The lr schedule is a function of the plan and the step, so it is recomputed rather than loaded (LambdaLR's
+    state would carry the old schedule's length); a change of schedule is reported.
     """
     saved = state.get("strategy", "ddp")
     if saved != strategy.name:
@@ -129,21 +137,41 @@ def restore_state(
     scaler.load_state_dict(state["scaler"])
     if env.rank < len(state["rng"]):
         restore_rng(state["rng"][env.rank])
+    evaluated = state.get("eval_step", state["step"]) == state["step"]  # files from before eval_step: evaluated
     if state["world_size"] == plan.world_size and state["global_batch"] == plan.global_batch:
-        scheduler.load_state_dict(state["scheduler"])
-        return Progress(step=state["step"], best_acc=state["best_acc"])
+        step = state["step"]
+    else:
+        samples = state["step_in_epoch"] * state["global_batch"]
+        step_in_epoch = min(samples // plan.global_batch, plan.steps_per_epoch)
+        step = state["epoch"] * plan.steps_per_epoch + step_in_epoch
+        log.warning(
+            "resuming a checkpoint of world size %d (global batch %d) at world size %d (global batch %d): epoch %d, "
+            "sample %d of the epoch -> step %d%s",
+            state["world_size"], state["global_batch"], plan.world_size, plan.global_batch, state["epoch"], samples, step,
+            f" ({samples - step_in_epoch * plan.global_batch} samples of the epoch are seen again)" if samples % plan.global_batch else "",
+        )
+    set_schedule_step(scheduler, step)
+    changes = schedule_changes(state["config"], config)
+    if changes:
+        log.warning("the lr schedule changed since the checkpoint (%s): from step %d on, the lr follows the new one "
+                    "(%.4g now); the run is no longer the one the checkpoint started", "; ".join(changes), step,
+                    scheduler.get_last_lr()[0])
+    return Progress(step=step, best_acc=state["best_acc"], eval_step=step if evaluated else -1)
 
-    samples = state["step_in_epoch"] * state["global_batch"]
-    step_in_epoch = min(samples // plan.global_batch, plan.steps_per_epoch)
-    step = state["epoch"] * plan.steps_per_epoch + step_in_epoch
-    log.warning(
-        "resuming a checkpoint of world size %d (global batch %d) at world size %d (global batch %d): epoch %d, "
-        "sample %d of the epoch -> step %d%s",
-        state["world_size"], state["global_batch"], plan.world_size, plan.global_batch, state["epoch"], samples, step,
-        f" ({samples - step_in_epoch * plan.global_batch} samples of the epoch are seen again)" if samples % plan.global_batch else "",
-    )
+
+def set_schedule_step(scheduler, step: int) -> None:
+    """Put the scheduler at `step` of its (current) schedule: the lr it gives there, bitwise."""
     scheduler.last_epoch = step - 1
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended, we only set the lr
         warnings.simplefilter("ignore", UserWarning)
         scheduler.step()
-    return Progress(step=step, best_acc=state["best_acc"])
+
+
+SCHEDULE_KEYS = ("trainer.epochs", "optim.lr", "optim.scale_lr", "optim.reference_batch_size", "optim.schedule")
+
+
+def schedule_changes(saved: dict, current: dict) -> list[str]:
+    """'key: old -> new' for every setting of the lr schedule that differs between two config dicts."""
+    old, new = flatten(saved), flatten(current)
+    keys = [k for k in sorted(old.keys() | new.keys()) if any(k == p or k.startswith(p + ".") for p in SCHEDULE_KEYS)]
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]

@@ -2,6 +2,11 @@
 
 The meter keeps the loss as a device tensor and only reads it back at log intervals: a `.item()` per step
 would make the host wait for the device on every step.
+
+Which rank is slow: step times cannot tell on GPUs (the host runs ahead of the device, and the ranks wait for each
+other inside the gradient all-reduce, so every rank's step takes as long as the slowest one's). The forward pass
+holds no collective under DDP, so its duration on each rank's own device, measured with CUDA events (read back at
+log intervals only), shows the slow GPU; on CPU the same clock uses host time.
 """
 
 from __future__ import annotations
@@ -25,11 +30,62 @@ def build_autocast(precision: str, device: torch.device) -> Callable[[], context
     return lambda: torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
 
 
+class HostEvent:
+    """torch.cuda.Event's interface on the host clock (CPU runs are synchronous: host time is device time)."""
+
+    def __init__(self, enable_timing: bool = True):
+        self.time = 0.0
+
+    def record(self) -> None:
+        self.time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        return (end.time - self.time) * 1000  # milliseconds, as CUDA events
+
+
+class ForwardClock:
+    """Each forward pass's duration on this rank's device, from events recorded around it by module hooks.
+
+    Events are recorded, not waited for: `take()` reads them at log intervals (a host sync that happens there
+    anyway). A pool of event pairs is reused; an interval longer than the pool keeps its first pairs' times."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, pool: int = 256):
+        factory = torch.cuda.Event if device.type == "cuda" else HostEvent
+        self.pairs = [(factory(enable_timing=True), factory(enable_timing=True)) for _ in range(pool)]
+        self.used = 0
+        self.hooks = [
+            model.register_forward_pre_hook(lambda *_: self._mark(0)),
+            model.register_forward_hook(lambda *_: self._mark(1)),
+        ]
+
+    def _mark(self, end: int) -> None:
+        if torch.is_grad_enabled() and self.used < len(self.pairs):  # training forwards only, not evaluation
+            self.pairs[self.used][end].record()
+            self.used += end
+
+    def take(self) -> float:
+        """Seconds of forward passes since the last call."""
+        if not self.used:
+            return 0.0
+        self.pairs[self.used - 1][1].synchronize()
+        total = sum(start.elapsed_time(end) for start, end in self.pairs[: self.used]) / 1000
+        self.used = 0
+        return total
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
 class Meter:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, forward: ForwardClock | None = None):
         self.loss_sum = torch.zeros((), device=device)
         self.steps = 0
         self.data_time = 0.0
+        self.forward = forward
         self.restart_clock()
 
     def restart_clock(self) -> None:
@@ -37,6 +93,8 @@ class Meter:
         self.clock = time.perf_counter()
         self.timed_steps = 0
         self.data_time = 0.0
+        if self.forward is not None:
+            self.forward.take()
 
     def reduce(self, global_batch: int, replicas: int) -> dict[str, float]:
         """Loss averaged over replicas and steps since the last call, throughput, and every rank's timing (collective).
@@ -46,19 +104,22 @@ class Meter:
         """
         elapsed = time.perf_counter() - self.clock
         steps = max(1, self.timed_steps)
+        forward = self.forward.take() if self.forward is not None else 0.0
         mine = torch.stack([
             self.loss_sum.detach().float(),
             torch.tensor(elapsed / steps, device=self.loss_sum.device),
             torch.tensor(self.data_time / steps, device=self.loss_sum.device),
+            torch.tensor(forward / steps, device=self.loss_sum.device),
         ])
         table = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(table, mine)
-        loss, step_time, data_time = torch.stack(table).double().cpu().unbind(1)  # one value per rank each
+        loss, step_time, data_time, forward_time = torch.stack(table).double().cpu().unbind(1)  # a value per rank
         values = {
             "loss": loss.sum().item() / replicas / max(1, self.steps),  # ranks without a loss add zeros
             "samples_per_s": self.timed_steps * global_batch / elapsed,
             **spread("step_time", step_time),
             **spread("data_time", data_time),
+            **spread("forward_time", forward_time),
         }
         self.loss_sum.zero_()
         self.steps = 0

@@ -3,7 +3,7 @@
 Saving inside a signal handler, or on one rank only, is how checkpoints get torn and collectives deadlock. Here
 every `every` steps the ranks start an asynchronous all_reduce (MAX) of "did I get a signal?" on a separate gloo
 group and read it one step later: no device synchronisation and no stall, and every rank reaches the same decision
-at the same step. Not every step: on small models a collective per step costs ~10% of the throughput (measured
+at the same step. The handler only sets the flag: it may run in the middle of any write, print included. Not every step: on small models a collective per step costs ~10% of the throughput (measured
 with benchmarks/overhead.py). A second signal ends the process at once (Ctrl-C twice).
 """
 
@@ -18,10 +18,11 @@ import torch.distributed as dist
 
 
 class StopRequest:
-    def __init__(self, signal_names: list[str], every: int = 1):
+    def __init__(self, signal_names: list[str], every: int, group: dist.ProcessGroup):
         self.every = every
         self.received: int | None = None
-        self.group = dist.new_group(backend="gloo")  # a CPU control channel, whatever the training backend
+        self.announced = False
+        self.group = group  # the CPU control channel (train.dist.control_group), whatever the training backend
         self.flag = torch.zeros(1, dtype=torch.int32)
         self.pending = None
         for name in signal_names:
@@ -32,12 +33,17 @@ class StopRequest:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.received = signum
-        print(f"[rank {dist.get_rank()}] {signal.Signals(signum).name}: saving a checkpoint at the next step "
-              f"boundary, then stopping (send it again to stop at once)", file=sys.stderr, flush=True)
+        self.received = signum  # only this: printing here could re-enter a write the signal interrupted
+
+    def _announce(self) -> None:
+        if self.received is not None and not self.announced:
+            self.announced = True
+            print(f"[rank {dist.get_rank()}] {signal.Signals(self.received).name}: saving a checkpoint at the next "
+                  f"step boundary, then stopping (send it again to stop at once)", file=sys.stderr, flush=True)
 
     def agreed(self, step: int) -> bool:
         """Call after every step on every rank. True at the step after a check where any rank had had a signal."""
+        self._announce()
         stop = False
         if self.pending is not None:
             self.pending.wait()

@@ -6,11 +6,33 @@ restart runs clean):
   FAULT=hang    block forever at the start of optimizer step FAULT_STEP
   FAULT=config  fail while loading the config snapshot (a bad rank at start-up)
   FAULT=slow_data  wait FAULT_DELAY_MS (default 50) before each training batch of this rank: a data stall
+  FAULT=slow_forward  wait FAULT_DELAY_MS (default 50) inside every training forward pass of this rank: a slow GPU
+  FAULT=term    send itself SIGTERM at the start of optimizer step FAULT_STEP (a stop lands on a known step)
+  FAULT=slow_io checkpoint reads and writes of this rank go in 1 kB chunks, FAULT_DELAY_MS (default 50) each
+                (every attempt: a slow file system, not a crash)
 """
 
 import os
 
-if (
+if os.environ.get("FAULT") == "slow_io" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0"):
+    import threading
+
+    import train.checkpoint
+
+    delay = int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
+    train.checkpoint.CHUNK_BYTES = 1024
+    write_chunks, read_chunks = train.checkpoint._write_chunks, train.checkpoint._read_chunks
+
+    def slow(progress):
+        def step():
+            threading.Event().wait(delay)
+            progress()
+        return step
+
+    train.checkpoint._write_chunks = lambda path, data, progress: write_chunks(path, data, slow(progress))
+    train.checkpoint._read_chunks = lambda path, progress: read_chunks(path, slow(progress))
+
+elif (
     os.environ.get("FAULT")
     and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0")
     and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -38,6 +60,17 @@ if (
                 yield batch
 
         train.batches.TrainBatches.epoch = slow_epoch
+    elif kind == "slow_forward":
+        import train.step
+
+        init, delay = train.step.ForwardClock.__init__, int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
+
+        def slow_init(self, model, *args, **kwargs):
+            init(self, model, *args, **kwargs)
+            # registered after the clock's own pre-hook: the delay falls inside the timed forward
+            model.register_forward_pre_hook(lambda *_: threading.Event().wait(delay) if train.step.torch.is_grad_enabled() else None)
+
+        train.step.ForwardClock.__init__ = slow_init
     else:
         train_step, calls = train.step.train_step, [0]
 
@@ -46,6 +79,9 @@ if (
             if calls[0] == int(os.environ["FAULT_STEP"]):
                 if kind == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if kind == "term":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return train_step(*args, **kwargs)
                 threading.Event().wait()  # hang
             return train_step(*args, **kwargs)
 

@@ -1,0 +1,57 @@
+"""Which GPU and how many threads a rank takes, from what the process may use (unit tests of train.dist)."""
+
+from __future__ import annotations
+
+import pytest
+
+import train.dist as dist_module
+from train.dist import DistEnv, default_threads, local_device_index
+
+NODE = DistEnv(rank=5, local_rank=1, world_size=8, local_world_size=4)
+
+
+def test_every_process_sees_every_gpu_of_its_node():
+    assert local_device_index(NODE, visible=4) == 1
+    assert local_device_index(NODE, visible=8) == 1
+
+
+def test_a_task_given_only_its_own_gpu_takes_the_first_visible_one():
+    """SLURM --gpus-per-task / --gpu-bind: cuda:LOCAL_RANK would not exist (or be another task's GPU)."""
+    assert local_device_index(NODE, visible=1) == 0
+
+
+def test_an_ambiguous_binding_is_refused_with_the_fix():
+    with pytest.raises(RuntimeError, match="sees 2 GPUs for 4 processes.*--gpus-per-task"):
+        local_device_index(NODE, visible=2)
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """A 16-core machine; returns a function setting this process's affinity and environment."""
+    for key in ("SLURM_STEP_ID", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(dist_module.os, "cpu_count", lambda: 16)
+
+    def set_up(affinity: int, **env: str):
+        monkeypatch.setattr(dist_module, "available_cores", lambda: affinity)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+
+    return set_up
+
+
+def test_local_processes_share_the_machine(machine):
+    machine(affinity=16)
+    assert default_threads(NODE) == 4
+
+
+def test_under_slurm_the_cpus_per_task_are_the_tasks_own(machine):
+    machine(affinity=16, SLURM_STEP_ID="0", SLURM_CPUS_PER_TASK="4")  # no binding: the affinity is the node
+    assert default_threads(NODE) == 4
+    machine(affinity=4, SLURM_STEP_ID="0", SLURM_CPUS_PER_TASK="4")  # task binding: already per task, not / 4
+    assert default_threads(NODE) == 4
+
+
+def test_under_slurm_a_bound_task_without_cpus_per_task_uses_its_affinity(machine):
+    machine(affinity=3, SLURM_STEP_ID="0")
+    assert default_threads(NODE) == 3

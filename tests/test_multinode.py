@@ -1,0 +1,80 @@
+"""Several nodes without SLURM, for real: two launchers on this machine acting as two nodes (each in its own UTS
+and mount namespace, with its own host name and a hosts file that names both, as slurm/test-cluster.sh does), one
+rendezvous, one shared run directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FAST, final_checkpoint, wait_for
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare (namespaces, as CI has)"
+)
+
+RUN = [*FAST, "data=synthetic", "data.num_samples=512", "data.batch_size=16", "model=mlp", "model.hidden=[32]",
+       "trainer.nodes=2", "trainer.procs_per_node=1", "trainer.max_steps=20", "trainer.eval_every=0"]
+
+
+def node(name: str, hosts, overrides: list[str], cwd, log):
+    """`python -m launcher` as node `name`: its own host name, and /etc/hosts replaced by `hosts` for it only."""
+    script = f'hostname {name} && mount --bind {hosts} /etc/hosts && exec "$0" "$@"'
+    command = ["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", script,
+               sys.executable, "-m", "launcher", *overrides]
+    return subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_share_one_run_directory_and_the_first_says_what_it_waits_for(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n127.0.0.2 n1\n127.0.0.3 n2\n")
+    run_dir, port = tmp_path / "run", free_port()
+    overrides = [*RUN, f"launcher.rdzv_endpoint=n1:{port}", "launcher.rdzv_timeout_s=120", f"hydra.run.dir={run_dir}"]
+    logs = {name: tmp_path / f"{name}.log" for name in ("n1", "n2")}
+    procs = []
+    try:
+        with open(logs["n1"], "w") as log:
+            procs.append(node("n1", hosts, overrides, tmp_path, log))
+        wait_for(lambda: "waiting for 1 of 2 nodes at n1:" in logs["n1"].read_text(), timeout=60,
+                 what="node n1 to say it waits for n2")
+        with open(logs["n2"], "w") as log:
+            procs.append(node("n2", hosts, overrides, tmp_path, log))
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    n1, n2 = logs["n1"].read_text(), logs["n2"].read_text()
+    print(f"--- n1\n{n1}\n--- n2\n{n2}")
+    assert codes == [0, 0]
+    assert "is in use by another launcher" not in n1 + n2  # the second node was not refused the shared directory
+    assert f"waiting for 1 of 2 nodes at n1:{port} (" in n1 and "launcher.rdzv_timeout_s=120" in n1
+    import json
+
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["world_size"] == 2 and sorted(plan["hosts"]) == ["n1", "n2"]  # one rank on each node
+    assert final_checkpoint(run_dir)["step"] == 20
+
+
+def test_a_second_launch_of_the_same_node_is_refused(tmp_path):
+    """The shared lock admits one launcher per node: the same node twice is a mistake, refused at once."""
+    from launcher.rundir import RunDirBusy, hold
+
+    with hold(tmp_path, nodes=2):
+        with pytest.raises(RunDirBusy, match=f"on {socket.gethostname()}"):
+            with hold(tmp_path, nodes=2):
+                pass
+        with pytest.raises(RunDirBusy, match="in use by another launcher"):  # a one-node run cannot join
+            with hold(tmp_path, nodes=1):
+                pass
