@@ -59,7 +59,8 @@ def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(clu
     run_dir = tmp_path / "run"
     # Submitted from a shell that holds stale env:// values (say, inside torchrun): they must not reach the job.
     stale = {"MASTER_ADDR": "stale-host", "MASTER_PORT": "1", "RANK": "5", "WORLD_SIZE": "9"}
-    proc = launch(*JOB, f"hydra.run.dir={run_dir}", env=stale)
+    derived_threads = [o for o in JOB if o != "trainer.threads=1"]  # threads from what SLURM gives each task
+    proc = launch(*derived_threads, f"hydra.run.dir={run_dir}", env=stale)
     assert proc.returncode == 0
     job_id = submitted_job_id(proc.stdout)
     assert state(job_id) != "COMPLETED"  # the command returned before the ~20 s job could finish
@@ -69,6 +70,7 @@ def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(clu
     plan = json.loads((run_dir / "plan.json").read_text())
     assert sorted(plan["hosts"]) == ["n1", "n2"]  # the ranks really ran on both nodes
     assert plan["world_size"] == 2
+    assert plan["threads_per_process"] == 2  # a node's 2 CPUs for its one task (SLURM's default: 1), counted once
     assert final_checkpoint(run_dir)["step"] == plan["total_steps"]
     assert [r for r in read_metrics(run_dir) if r["kind"] == "eval"][-1]["acc"] > 0.5  # it learned (chance: 0.1)
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
@@ -109,6 +111,27 @@ def test_the_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_weigh
     assert train_steps == sorted(set(train_steps))  # no step lost or repeated in the logs
 
 
+def test_a_preemption_sigterm_saves_requeues_and_the_job_resumes(cluster, launch, tmp_path):
+    """A real preemption: a job on the higher-priority partition takes both nodes. Without
+    PreemptParameters=send_user_signal SLURM sends SIGTERM, not launcher.signal: the job must still requeue."""
+    run_dir = tmp_path / "run"
+    job_id = submitted_job_id(launch(*LONG_JOB, f"hydra.run.dir={run_dir}").stdout)
+    wait_for(lambda: any(step >= 20 for step in logged_steps(run_dir)), 180, "training")
+    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N2", "--wrap", "sleep 2"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    wait_for(lambda: "Restarts=1" in _show(job_id), timeout=120, what="the preempted job to requeue")
+    wait_for(lambda: state(urgent) == "COMPLETED", timeout=120, what="the urgent job to run and end")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)  # skip SLURM's 2 min hold
+    wait_for(lambda: state(job_id) == "COMPLETED", timeout=240, what="the requeued job to complete")
+
+    err = (slurm_folder(run_dir) / f"{job_id}_0_log.err").read_text()
+    assert "[rank 0] SIGTERM: saving a checkpoint" in err and f"requeued job {job_id}" in err
+    out = (slurm_folder(run_dir) / f"{job_id}_0_log.out").read_text()
+    stopped = int(out.split("stopped at step ")[1].split()[0])
+    assert f"; resumed at step {stopped}" in out  # from the checkpoint saved on the SIGTERM, nothing lost
+    assert final_checkpoint(run_dir)["step"] == json.loads((run_dir / "plan.json").read_text())["total_steps"]
+
+
 def _show(job_id: str) -> str:
     return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
 
@@ -128,7 +151,7 @@ def test_cancel_is_reported_as_cancelled(cluster, launch, tmp_path):
 def test_a_partition_that_does_not_exist_is_refused(cluster, launch, tmp_path):
     proc = launch(*JOB, "launcher.partition=gpu-a100", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2
-    assert "launcher.partition='gpu-a100' does not exist on this cluster; choose one of: debug" in proc.stderr
+    assert "launcher.partition='gpu-a100' does not exist on this cluster; choose one of: debug, urgent" in proc.stderr
     assert not (tmp_path / "run" / "slurm").exists()
 
 
