@@ -96,7 +96,7 @@ def test_the_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_weigh
     wait_for(lambda: any(step >= 20 for step in logged_steps(run_dir)), 180, "training")
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # what SLURM sends before a time limit
     wait_for(lambda: "Restarts=1" in _show(job_id), timeout=120, what="the job to requeue itself")
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)  # skip SLURM's 2 min hold
+    start_requeued_now(job_id)
     wait_for(lambda: state(job_id) == "COMPLETED", timeout=240, what="the requeued job to complete")
 
     err = (slurm_folder(run_dir) / f"{job_id}_0_log.err").read_text()
@@ -117,11 +117,11 @@ def test_a_preemption_sigterm_saves_requeues_and_the_job_resumes(cluster, launch
     run_dir = tmp_path / "run"
     job_id = submitted_job_id(launch(*LONG_JOB, f"hydra.run.dir={run_dir}").stdout)
     wait_for(lambda: any(step >= 20 for step in logged_steps(run_dir)), 180, "training")
-    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N2", "--wrap", "sleep 2"], capture_output=True,
-                            text=True, check=True).stdout.strip()
+    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N2", f"--output={tmp_path / 'urgent.out'}",
+                             "--wrap", "sleep 2"], capture_output=True, text=True, check=True).stdout.strip()
     wait_for(lambda: "Restarts=1" in _show(job_id), timeout=120, what="the preempted job to requeue")
     wait_for(lambda: state(urgent) == "COMPLETED", timeout=120, what="the urgent job to run and end")
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)  # skip SLURM's 2 min hold
+    start_requeued_now(job_id)
     wait_for(lambda: state(job_id) == "COMPLETED", timeout=240, what="the requeued job to complete")
 
     err = (slurm_folder(run_dir) / f"{job_id}_0_log.err").read_text()
@@ -130,6 +130,14 @@ def test_a_preemption_sigterm_saves_requeues_and_the_job_resumes(cluster, launch
     stopped = int(out.split("stopped at step ")[1].split()[0])
     assert f"; resumed at step {stopped}" in out  # from the checkpoint saved on the SIGTERM, nothing lost
     assert final_checkpoint(run_dir)["step"] == json.loads((run_dir / "plan.json").read_text())["total_steps"]
+
+
+def start_requeued_now(job_id: str) -> None:
+    """Skip SLURM's ~2 min hold of a requeued job. Only once both nodes are idle again: a relaunch within the
+    second its old credential was revoked is refused ("Job credential revoked") and the job fails."""
+    idle = lambda: subprocess.run(["sinfo", "-h", "-t", "idle", "-o", "%D"], capture_output=True, text=True).stdout.split()  # noqa: E731
+    wait_for(lambda: sum(int(n) for n in idle()) == 2, timeout=60, what="the nodes to be released")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
 
 
 def _show(job_id: str) -> str:

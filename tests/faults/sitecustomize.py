@@ -68,7 +68,11 @@ elif (
         def slow_init(self, model, *args, **kwargs):
             init(self, model, *args, **kwargs)
             # registered after the clock's own pre-hook: the delay falls inside the timed forward
-            model.register_forward_pre_hook(lambda *_: threading.Event().wait(delay) if train.step.torch.is_grad_enabled() else None)
+            def stall(module, args):  # returns None: a pre-hook's return value would replace the input
+                if train.step.torch.is_grad_enabled():
+                    threading.Event().wait(delay)
+
+            model.register_forward_pre_hook(stall)
 
         train.step.ForwardClock.__init__ = slow_init
     else:
