@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from train.config import load_config
 from train.data import build_datasets
-from train.models import build_model
+from train.build import build_model
 
 
 def main() -> None:
@@ -49,7 +49,7 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=cfg.data.batch_size, sampler=sampler, drop_last=True)
 
     torch.manual_seed(cfg.trainer.seed)
-    model = DistributedDataParallel(build_model(cfg.model, data.spec))
+    model = DistributedDataParallel(build_model(cfg))
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
 
     step, epoch, first_step_at, start = 0, 0, None, None

@@ -1,10 +1,15 @@
-"""`python -m launcher [overrides]`; see launcher/main.py."""
+"""`python -m launcher [overrides]`, or the `ddp-launch` command; see launcher/main.py."""
 
 from launcher.main import main
 from launcher.rundir import register_resolvers
 from launcher.schema import register_configs
 
-if __name__ == "__main__":
+
+def cli() -> None:
     register_configs()
     register_resolvers()
     main()
+
+
+if __name__ == "__main__":
+    cli()

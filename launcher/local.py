@@ -63,4 +63,6 @@ def launch_local(cfg: Config, run_dir: Path, snapshot: Path) -> None:
     # As torchrun does: OpenMP and BLAS pools in the workers (oneDNN's, numpy's) size themselves from this, not
     # from torch.set_num_threads; unset, every process would start one thread per core.
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(cfg)))
-    run_agent(launch_config(cfg, run_dir), sys.executable, ["-u", "-m", "train", str(snapshot)])
+    # -P: not the working directory first on the path (a user's train.py there is not our `train`); the user's
+    # modules come from the snapshot's import_path, after ours.
+    run_agent(launch_config(cfg, run_dir), sys.executable, ["-u", "-P", "-m", "train", str(snapshot)])

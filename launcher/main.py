@@ -47,6 +47,12 @@ def write_snapshot(cfg: DictConfig, run_dir: Path) -> tuple[Path, list[str]]:
     return path, changed
 
 
+def import_path() -> list[str]:
+    """The launch directory and PYTHONPATH: where a config's `_target_`s outside this package are imported from."""
+    paths = [os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return list(dict.fromkeys(str(Path(p).resolve()) for p in paths if p))
+
+
 def submit_to_slurm(cfg: Config, run_dir: Path, snapshot: Path) -> int:
     """Submit one job and return at once (or, with launcher.wait=true, when it ends). Returns the exit code."""
     from submitit.core.utils import FailedJobError
@@ -76,6 +82,8 @@ def launch(cfg: DictConfig, run_dir: Path) -> int:
     """Validate, snapshot, and run (or submit) one run. Returns its exit code; writes RUN_DIR/status.json."""
     # Paths in the snapshot are absolute, so `python -m train RUN_DIR/config.yaml` works from any directory.
     cfg.data.root = str(Path(cfg.data.root).expanduser().resolve())
+    # Where the user's own modules come from, for the workers (locally and on SLURM) to import them too.
+    cfg.import_path = import_path()
     if cfg.launcher.name == "slurm" and f"SIG{cfg.launcher.signal}" not in cfg.trainer.stop_signals:
         # SLURM's warning signal must make the trainer save and stop (then the job requeues itself).
         cfg.trainer.stop_signals.append(f"SIG{cfg.launcher.signal}")

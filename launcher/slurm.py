@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -156,7 +157,8 @@ def submit(cfg: Config, run_dir: Path, snapshot: Path):
     """Submit the job and record it; returns the submitit job."""
     import submitit
 
-    executor = submitit.SlurmExecutor(folder=slurm_folder(run_dir))
+    # -P, as for the local workers: the job's working directory (the user's project) must not shadow our packages
+    executor = submitit.SlurmExecutor(folder=slurm_folder(run_dir), python=f"{shlex.quote(sys.executable)} -P")
     executor.update_parameters(**executor_parameters(cfg, node_cpus(cfg.launcher.partition)))
     task = SlurmTask(str(snapshot), cfg.launcher.max_requeues, f"SIG{cfg.launcher.signal}")
     job = executor.submit(task)

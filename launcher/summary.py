@@ -6,7 +6,7 @@ from pathlib import Path
 
 from launcher.local import procs_per_node, threads_per_process, world_size
 from launcher.schema import Config
-from train.checkpoint import checkpoint_dir
+from train.checkpoint import checkpoint_dir, committed
 from train.dist import resolve_backend
 from train.optim import global_batch_size, replicas, scaled_lr
 
@@ -24,15 +24,21 @@ def _devices(cfg: Config) -> str:
     return f"cpu, {threads_per_process(cfg)} thread(s) per process"
 
 
+def describe_target(node: dict) -> str:
+    """`train.models.cnn(width=32, dropout=0.0)`: the target and the arguments the config gives it, short."""
+    args = ", ".join(f"{k}={v}" for k, v in node.items() if not k.startswith("_") and not isinstance(v, dict))
+    return f"{node['_target_']}({args})" if len(args) < 100 else f"{node['_target_']}({args[:97]}...)"
+
+
 def summary(cfg: Config, run_dir: Path, changed: list[str]) -> str:
     t, o = cfg.trainer, cfg.optim
     world = world_size(cfg)
     batch = global_batch_size(cfg, world)
     lr = scaled_lr(o, batch)
     lr_note = f" (linear scaling: {o.lr:g} x {batch}/{o.reference_batch_size})" if o.scale_lr else ""
-    checkpoints = sorted(checkpoint_dir(run_dir).glob("step_*.pt"))
+    checkpoints = committed(checkpoint_dir(run_dir))
     if checkpoints and cfg.checkpoint.resume:
-        start = f"resume from the newest loadable checkpoint ({checkpoints[-1].name})"
+        start = f"resume from the newest loadable checkpoint ({checkpoints[-1].path.name})"
     else:
         start = "fresh start"
     rows = [
@@ -40,10 +46,12 @@ def summary(cfg: Config, run_dir: Path, changed: list[str]) -> str:
         ("world", f"{world} processes = {t.nodes} node(s) x {procs_per_node(cfg)}, backend {resolve_backend(t.backend, t.gpus)}"),
         ("strategy", STRATEGY_NOTES[t.strategy].format(world=world, microbatches=t.microbatches, schedule=t.pipeline_schedule)),
         ("devices", _devices(cfg)),
-        ("model", f"{cfg.model.name} (width {cfg.model.width})" if cfg.model.name != "mlp" else f"mlp {cfg.model.hidden}"),
-        ("data", f"{cfg.data.name} {SOURCES.get(cfg.data.name, f'from {cfg.data.root}')}"),
+        ("model", describe_target(cfg.model)),
+        ("task", describe_target(cfg.task)),
+        ("data", f"{cfg.data.name} {SOURCES.get(cfg.data.name, '')}".rstrip() if str(cfg.data.train["_target_"]).startswith("train.data.")
+         else f"{describe_target(cfg.data.train)}, {cfg.data.num_workers} loader worker(s) per process"),
         ("batch", f"{cfg.data.batch_size} per replica x {replicas(cfg, world)} replica(s) x {t.accumulate} accumulation = global batch {batch}"),
-        ("optim", f"{o.name}, lr {lr:.4g}{lr_note}, warmup {o.schedule.warmup_epochs:g} epoch(s), "
+        ("optim", f"{str(o.optimizer['_target_']).rsplit('.', 1)[-1]}, lr {lr:.4g}{lr_note}, warmup {o.schedule.warmup_epochs:g} epoch(s), "
                   f"{o.schedule.name} schedule over {t.epochs} epochs, precision {t.precision}"),
         ("start", start),
     ]

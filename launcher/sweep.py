@@ -46,8 +46,8 @@ def summarize_point(run_dir: Path) -> dict:
         "status": read_status(run_dir).get("status", "not started"),
         "overrides": " ".join(overrides),
         "global_batch": plan.get("global_batch"),
-        "final_acc": evals[-1]["acc"] if evals else None,
-        "best_acc": max(r["acc"] for r in evals) if evals else None,
+        "final_acc": evals[-1].get("acc") if evals else None,  # tasks without accuracy (regression) leave it empty
+        "best_acc": max((r["acc"] for r in evals if "acc" in r), default=None),
         "final_loss": evals[-1]["loss"] if evals else None,
         # the first interval holds the warm-up (allocations, first-touch, compilation): left out when there are more
         "samples_per_s": statistics.median(r["samples_per_s"] for r in trains[1:] or trains) if trains else None,

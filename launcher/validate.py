@@ -21,15 +21,15 @@ from launcher.local import world_size
 from launcher.schema import Config
 from train.checkpoint import refuse_fresh_start_over
 from train.console import PROGRESS_MODES
-from train.data import LOADERS, DatasetMissing, data_spec, prepare
+from launcher.targets import check_targets
+from train.data import DatasetMissing, prepare
 from train.dist import resolve_backend
-from train.models import MODELS, blocks, build_model
+from train.models import pipeline_stages
 from train.optim import SCHEDULES
 from train.parallel import GRAD_COMPRESSIONS, MEMORY_FORMATS
 from train.strategies import PIPELINE_SCHEDULES, STRATEGIES
 
 PRECISIONS = ("32", "bf16", "fp16")
-OPTIMIZERS = ("sgd", "adamw")
 LAUNCHERS = ("local", "slurm")
 
 
@@ -161,8 +161,6 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
     if unknown:
         problems.append(f"trainer.stop_signals={t.stop_signals}: {', '.join(unknown)} is not a signal name (e.g. SIGTERM, SIGUSR2).")
     _choice(problems, "trainer.progress", t.progress, PROGRESS_MODES)
-    _choice(problems, "model.name", cfg.model.name, sorted(MODELS))
-    _choice(problems, "optim.name", o.name, OPTIMIZERS)
     _choice(problems, "optim.schedule.name", o.schedule.name, SCHEDULES)
     if o.lr <= 0:
         problems.append(f"optim.lr={o.lr} must be positive.")
@@ -170,17 +168,22 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
     _at_least(problems, "optim.schedule.warmup_epochs", o.schedule.warmup_epochs, 0.0)
     _at_least(problems, "checkpoint.keep_last", cfg.checkpoint.keep_last, 1)
     _at_least(problems, "checkpoint.every_steps", cfg.checkpoint.every_steps, 0, "0 saves only after evaluations")
+    if cfg.checkpoint.mode:
+        _choice(problems, "checkpoint.mode", cfg.checkpoint.mode, ("min", "max"))
+    _at_least(problems, "data.num_workers", d.num_workers, 0, "0 loads in the training process")
     _at_least(problems, "launcher.max_restarts", cfg.launcher.max_restarts, 0)
     _choice(problems, "launcher.name", cfg.launcher.name, LAUNCHERS)
 
 
-def _model_blocks(cfg: Config) -> int:
-    """How many blocks the configured model declares, built on the meta device (no memory, no data read)."""
+def _model_on_meta(cfg: Config):
+    """The configured model, built on the meta device (no memory, no data read)."""
+    from train.build import build_model
+
     with torch.device("meta"):
-        return len(blocks(build_model(cfg.model, data_spec(cfg.data))))
+        return build_model(cfg)
 
 
-def _check_strategy(cfg: Config, problems: list[str]) -> None:
+def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
     t = cfg.trainer
     if not _choice(problems, "trainer.strategy", t.strategy, sorted(STRATEGIES)):
         return
@@ -208,23 +211,29 @@ def _check_strategy(cfg: Config, problems: list[str]) -> None:
     if t.pipeline_schedule == "1f1b" and t.microbatches < world:
         problems.append(f"trainer.pipeline_schedule=1f1b needs at least as many microbatches as stages ({world}): set "
                         f"trainer.microbatches={world} or more, or trainer.pipeline_schedule=gpipe.")
-    if cfg.model.name in MODELS and cfg.data.name in LOADERS and world >= 2:
-        count = _model_blocks(cfg)
-        if count < world:
-            hint = " (for mlp: more model.hidden layers)" if cfg.model.name == "mlp" else ""
+    if world >= 2 and targets_ok:
+        model = _model_on_meta(cfg)
+        stages = pipeline_stages(model)
+        if stages is None:
+            problems.append(
+                f"trainer.strategy=pipeline cuts the model between consecutive stages, but model._target_="
+                f"{cfg.model['_target_']} returns a {type(model).__name__}, not an nn.Sequential whose children each feed "
+                f"the next: build it as one (nn.Sequential(stem, *blocks, head)), or use trainer.strategy=fsdp."
+            )
+        elif len(stages) < world:
+            hint = " (for mlp: more model.hidden layers)" if str(cfg.model["_target_"]).endswith(".mlp") else ""
             problems.append(
                 f"trainer.strategy=pipeline cuts the model into {world} stages (one per process) between its blocks, but "
-                f"model.name={cfg.model.name} declares {count} block(s): use {count} process(es) or fewer, or a "
-                f"model with more blocks{hint}."
+                f"model._target_={cfg.model['_target_']} declares {len(stages)} block(s): use {len(stages)} process(es) "
+                f"or fewer, or a model with more blocks{hint}."
             )
 
 
 def _check_files(cfg: Config, run_dir: Path, problems: list[str]) -> None:
-    if _choice(problems, "data.name", cfg.data.name, sorted(LOADERS)):
-        try:
-            prepare(cfg.data)
-        except DatasetMissing as error:
-            problems.append(str(error))
+    try:
+        prepare(cfg.data)
+    except DatasetMissing as error:
+        problems.append(str(error))
     if not cfg.checkpoint.resume:
         try:
             refuse_fresh_start_over(run_dir)
@@ -277,7 +286,9 @@ def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> Non
     if cfg.launcher.name == "slurm":
         _check_slurm(cfg, problems)
     _check_training(cfg, problems)
-    _check_strategy(cfg, problems)
+    before = len(problems)
+    check_targets(cfg, problems)
+    _check_strategy(cfg, problems, targets_ok=len(problems) == before)
     _check_files(cfg, run_dir, problems)
     if problems:
         raise ConfigError(problems)

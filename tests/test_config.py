@@ -13,7 +13,6 @@ from conftest import CONF_DIR, typed
 from launcher.schema import Config
 from launcher.validate import ConfigError, validate
 from train.config import TrainConfig, load_config
-from train.models import MODELS
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
@@ -27,14 +26,16 @@ def test_every_experiment_composes_into_the_typed_schema(experiment):
     cfg = typed(f"+experiment={experiment}")
     assert isinstance(cfg, Config)
     assert cfg.name == experiment
-    assert cfg.model.name in MODELS
+    assert cfg.model["_target_"].startswith("train.models.") and cfg.task["_target_"].startswith("train.tasks.")
 
 
 def test_presets_pick_their_model_and_data():
     resnet = typed("+experiment=resnet18")
-    assert (resnet.model.name, resnet.data.name, resnet.model.width) == ("resnet18", "cifar10", 64)
+    assert (resnet.model["_target_"], resnet.data.name, resnet.model["width"]) == ("train.models.resnet18", "cifar10", 64)
+    assert (resnet.model["channels"], resnet.model["image_size"]) == (3, 32)  # from the data's shape
     lenet = typed("+experiment=lenet")
-    assert (lenet.model.name, lenet.data.name) == ("lenet", "fashion_mnist")
+    assert (lenet.model["_target_"], lenet.data.name, lenet.data.train["_target_"]) == (
+        "train.models.lenet", "fashion_mnist", "train.data.fashion_mnist")
 
 
 def test_the_default_job_is_the_digits_preset_on_two_cpu_processes():
@@ -91,9 +92,9 @@ def test_batch_size_below_one(tmp_path):
     assert "data.batch_size=0 must be at least 1" in problems("data.batch_size=0", run_dir=tmp_path)
 
 
-def test_unknown_model_name(tmp_path):
-    message = problems("model.name=transformer", run_dir=tmp_path)
-    assert "model.name='transformer' is not one of" in message and "resnet18" in message
+def test_a_misspelt_model_argument_is_named_with_the_fix(tmp_path):
+    message = problems("+model.widht=8", run_dir=tmp_path)
+    assert "model.widht: train.models.cnn has no argument 'widht' (did you mean model.width?)" in message
 
 
 def test_missing_data_set_says_where_and_how(tmp_path):
@@ -130,7 +131,7 @@ def test_strategy_combinations_are_checked_before_start(tmp_path):
     message = problems("trainer.strategy=pipeline", "trainer.procs_per_node=3", "trainer.microbatches=2", run_dir=tmp_path)
     assert "trainer.pipeline_schedule=1f1b needs at least as many microbatches as stages (3)" in message
     message = problems("trainer.strategy=pipeline", "trainer.procs_per_node=4", run_dir=tmp_path)  # the cnn has 3 blocks
-    assert "model.name=cnn declares 3 block(s): use 3 process(es) or fewer" in message
+    assert "model._target_=train.models.cnn declares 3 block(s): use 3 process(es) or fewer" in message
     message = problems("trainer.strategy=fsdp", "trainer.grad_compression=bf16", "trainer.fsdp_cpu_offload=true", run_dir=tmp_path)
     assert "trainer.grad_compression=bf16 applies to trainer.strategy=ddp only" in message
     assert "trainer.fsdp_cpu_offload=true needs trainer.strategy=fsdp on GPUs" in message

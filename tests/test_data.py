@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from train.batches import TrainBatches, augment
-from train.config import DataConfig, ModelConfig
-from train.data import DatasetMissing, TensorData, build_datasets, check_available, read_idx
-from train.models import MODELS, blocks, build_model
+from train.config import DataConfig
+import train.models as models
+from train.data import DatasetMissing, TensorData, check_available, cifar10, digits, fashion_mnist, mnist, read_idx
+from train.models import blocks
 
 
 def write_idx(path, array: np.ndarray, compress: bool) -> None:
@@ -43,11 +44,11 @@ def craft_mnist(directory, n_train=30, n_eval=11, compress=True):
 @pytest.mark.parametrize("name,subdir,compress", [("mnist", "MNIST/raw", True), ("fashion_mnist", "fashion_mnist", False)])
 def test_idx_files_load_in_torchvision_and_plain_layouts(tmp_path, name, subdir, compress):
     arrays = craft_mnist(tmp_path / subdir, compress=compress)
-    data = build_datasets(DataConfig(name=name, root=str(tmp_path)))
-    assert data.train.images.shape == (30, 1, 28, 28) and data.train.images.dtype == torch.uint8
-    assert np.array_equal(data.train.images[:, 0].numpy(), arrays["train-images-idx3-ubyte"])
-    assert np.array_equal(data.eval.labels.numpy(), arrays["t10k-labels-idx1-ubyte"])
-    assert (data.spec.channels, data.spec.image_size, data.spec.num_classes) == (1, 28, 10)
+    load = {"mnist": mnist, "fashion_mnist": fashion_mnist}[name]
+    train, evals = load("train", root=str(tmp_path)), load("eval", root=str(tmp_path))
+    assert train.images.shape == (30, 1, 28, 28) and train.images.dtype == torch.uint8
+    assert np.array_equal(train.images[:, 0].numpy(), arrays["train-images-idx3-ubyte"])
+    assert np.array_equal(evals.labels.numpy(), arrays["t10k-labels-idx1-ubyte"])
 
 
 def test_truncated_idx_file_is_reported(tmp_path):
@@ -67,11 +68,11 @@ def test_cifar10_python_batches_load(tmp_path):
         batches[name] = batch
         with open(directory / name, "wb") as f:
             pickle.dump(batch, f)
-    data = build_datasets(DataConfig(name="cifar10", root=str(tmp_path)))
-    assert data.train.images.shape == (20, 3, 32, 32) and data.eval.images.shape == (4, 3, 32, 32)
+    train, evals = cifar10("train", root=str(tmp_path)), cifar10("eval", root=str(tmp_path))
+    assert train.images.shape == (20, 3, 32, 32) and evals.images.shape == (4, 3, 32, 32)
     # CHW order: the first 1024 bytes are the red plane of the first image.
-    assert np.array_equal(data.train.images[0, 0].flatten().numpy(), batches["data_batch_1"][b"data"][0, :1024])
-    assert data.eval.labels.tolist() == [int(v) for v in batches["test_batch"][b"labels"]]
+    assert np.array_equal(train.images[0, 0].flatten().numpy(), batches["data_batch_1"][b"data"][0, :1024])
+    assert evals.labels.tolist() == [int(v) for v in batches["test_batch"][b"labels"]]
 
 
 def test_missing_data_message_says_where_and_how(tmp_path):
@@ -83,12 +84,11 @@ def test_missing_data_message_says_where_and_how(tmp_path):
 
 
 def test_digits_split_is_fixed_and_disjoint():
-    a = build_datasets(DataConfig(name="digits", image_size=16))
-    b = build_datasets(DataConfig(name="digits", image_size=16))
-    assert len(a.train) + len(a.eval) == 1797 and len(a.eval) == round(1797 * 0.2)
-    assert torch.equal(a.train.images, b.train.images) and a.train.images.shape[-1] == 16
-    train_rows = {tuple(x.flatten().tolist()) for x in a.train.images}
-    assert sum(tuple(x.flatten().tolist()) in train_rows for x in a.eval.images) < 5  # (a few scans are duplicates)
+    a_train, a_eval, b_train = digits("train"), digits("eval"), digits("train")
+    assert len(a_train) + len(a_eval) == 1797 and len(a_eval) == round(1797 * 0.2)
+    assert torch.equal(a_train.images, b_train.images) and a_train.images.shape[-1] == 16
+    train_rows = {tuple(x.flatten().tolist()) for x in a_train.images}
+    assert sum(tuple(x.flatten().tolist()) in train_rows for x in a_eval.images) < 5  # (a few scans are duplicates)
 
 
 def test_ranks_partition_each_epoch_and_resume_from_any_batch():
@@ -115,19 +115,16 @@ def test_augmentation_depends_on_the_sample_not_on_the_batch_or_rank():
     assert whole.shape == images.shape and whole.dtype == torch.uint8
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name,options", [("mlp", {"hidden": [16]}), ("cnn", {"width": 8}), ("lenet", {}),
+                                          ("resnet18", {"width": 8})])
 @pytest.mark.parametrize("channels,size", [(1, 28), (3, 32)])
-def test_every_model_maps_images_to_class_logits(name, channels, size):
-    from train.data import DataSpec
-
-    model = build_model(ModelConfig(name=name, width=8, hidden=[16]), DataSpec(channels, size, 10))
+def test_every_model_maps_images_to_class_logits(name, options, channels, size):
+    model = getattr(models, name)(channels=channels, image_size=size, num_classes=10, **options)
     assert model(torch.randn(2, channels, size, size)).shape == (2, 10)
 
 
 def test_resnet18_is_the_cifar_variant():
-    from train.data import DataSpec
-
-    model = build_model(ModelConfig(name="resnet18", width=64), DataSpec(3, 32, 10))
+    model = models.resnet18(channels=3, image_size=32, num_classes=10, width=64)
     assert model.stem[0].kernel_size == (3, 3) and model.stem[0].stride == (1, 1)
     assert len(blocks(model)) == 10  # stem, 4 stages x 2 basic blocks, head
     assert not any(isinstance(m, torch.nn.MaxPool2d) for m in model.modules())

@@ -10,9 +10,7 @@ import pytest
 import torch
 
 from conftest import FAST, IDENTITY, final_checkpoint, read_metrics
-from train.config import ModelConfig
-from train.data import DataSpec
-from train.models import build_model
+from train.models import mlp
 
 @pytest.mark.parametrize("batch,accumulate", [(16, 1), (8, 2)])
 def test_two_processes_match_one_process_with_the_global_batch(launch, tmp_path, one_process_batch_32, batch, accumulate):
@@ -30,7 +28,7 @@ def test_two_processes_match_one_process_with_the_global_batch(launch, tmp_path,
 
     # Not vacuous: training moved the weights far beyond the tolerance from where they started.
     torch.manual_seed(0)
-    initial = build_model(ModelConfig(name="mlp", hidden=[64, 32]), DataSpec(1, 16, 10)).state_dict()
+    initial = mlp(channels=1, image_size=16, num_classes=10, hidden=[64, 32]).state_dict()
     assert max((initial[k] - ddp["model"][k]).abs().max().item() for k in initial) > 1e-2
 
 

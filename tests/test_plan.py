@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from train.config import TrainConfig
-from train.optim import build_optimizer, build_scheduler, make_plan
+from train.build import build_optimizer, parameter_groups
+from train.optim import build_scheduler, make_plan
 
 
 def config(**trainer) -> TrainConfig:
     cfg = TrainConfig()
+    cfg.optim.optimizer = {"_target_": "torch.optim.SGD", "_partial_": True, "momentum": 0.9}
     cfg.data.batch_size = 32
     cfg.trainer.epochs = 10
     for key, value in trainer.items():
@@ -69,3 +71,16 @@ def test_max_steps_stops_early_without_changing_the_schedule():
 def test_a_batch_larger_than_a_rank_share_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="lower data.batch_size or trainer.accumulate"):
         make_plan(config(), world_size=8, train_size=100)
+
+
+def test_no_weight_decay_on_biases_and_norms_when_asked():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    cfg = config()
+    cfg.optim.weight_decay = 0.1
+    assert [g["weight_decay"] for g in parameter_groups(cfg.optim, model)] == [0.1]  # the default: everything decays
+    cfg.optim.decay_norms_and_biases = False
+    optimizer = build_optimizer(cfg.optim, model, lr=0.5)
+    decayed, exempt = optimizer.param_groups
+    assert (decayed["weight_decay"], exempt["weight_decay"]) == (0.1, 0.0) and decayed["lr"] == exempt["lr"] == 0.5
+    assert [p.dim() for p in decayed["params"]] == [2, 2] and [p.dim() for p in exempt["params"]] == [1, 1, 1, 1]
+    assert isinstance(optimizer, torch.optim.SGD) and decayed["momentum"] == 0.9  # the target's own arguments

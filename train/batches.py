@@ -7,6 +7,7 @@ shards the data without padding, so no sample is counted twice (see `train.evalu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -106,27 +107,37 @@ class TrainBatches:
             yield images, labels
 
 
-def eval_batches(
-    data: TensorData, batch_size: int, rank: int, world_size: int, device: torch.device
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's strided, unpadded share of the evaluation set: samples rank, rank + W, rank + 2W, ..."""
-    idx = torch.arange(rank, len(data), world_size, device=data.images.device)
+def eval_batches(data: TensorData, batch_size: int, rank: int, world_size: int, device: torch.device,
+                 lockstep: bool = False) -> Iterator[tuple[tuple[torch.Tensor, torch.Tensor], bool]]:
+    """This rank's strided, unpadded share of the evaluation set (samples rank, rank + W, rank + 2W, ...) as
+    (batch, True); with `lockstep`, then (batch, False) repeats up to the largest rank's batch count, so that
+    forwards holding collectives (fsdp) run as often on every rank. Uncounted batches' sums are ignored."""
+    real = rank < len(data)
+    idx = torch.arange(rank, len(data), world_size, device=data.images.device) if real else torch.zeros(1, dtype=torch.long)
+    count, last = 0, None
     for start in range(0, len(idx), batch_size):
         sel = idx[start : start + batch_size]
         images, labels = _to_device(data.images[sel], data.labels[sel], device)
-        yield data.normalize(images), labels
+        last = (data.normalize(images), labels)
+        count += 1
+        yield last, real
+    if lockstep:
+        most = math.ceil(math.ceil(len(data) / world_size) / batch_size)
+        for _ in range(most - count):
+            yield last, False
 
 
 def stage(data: Datasets, device: torch.device) -> Datasets:
-    """On a GPU, keep a data set that takes under a quarter of the free device memory on the device: batches are
-    then indexed and augmented there, with no host-to-device copy per step. Larger ones stay on the host and each
-    batch is copied from pinned memory without blocking (see `_to_device`)."""
-    if device.type != "cuda":
+    """On a GPU, keep in-memory data sets that take under a quarter of the free device memory on the device:
+    batches are then indexed and augmented there, with no host-to-device copy per step. Larger ones stay on the
+    host and each batch is copied from pinned memory without blocking (see `_to_device`). Other data sets are
+    served by a DataLoader (train.loader)."""
+    if device.type != "cuda" or not (isinstance(data.train, TensorData) and isinstance(data.eval, TensorData)):
         return data
     free, _ = torch.cuda.mem_get_info(device)
     if data.train.nbytes + data.eval.nbytes > free // 4:
         return data
-    return Datasets(data.train.to(device), data.eval.to(device), data.spec)
+    return Datasets(data.train.to(device), data.eval.to(device))
 
 
 def _to_device(images: torch.Tensor, labels: torch.Tensor, device: torch.device):
@@ -134,3 +145,18 @@ def _to_device(images: torch.Tensor, labels: torch.Tensor, device: torch.device)
     if device.type == "cuda" and images.device != device:
         return images.pin_memory().to(device, non_blocking=True), labels.pin_memory().to(device, non_blocking=True)
     return images, labels
+
+
+def to_device(batch, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format):
+    """A batch of any structure (tensor, tuple, list, dict) on `device`, without blocking (the DataLoader pins
+    it); 4-D floating-point tensors (images) in `memory_format`."""
+    if isinstance(batch, torch.Tensor):
+        batch = batch.to(device, non_blocking=True)
+        if batch.dim() == 4 and batch.is_floating_point() and memory_format != torch.contiguous_format:
+            batch = batch.contiguous(memory_format=memory_format)
+        return batch
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, memory_format) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device, memory_format) for v in batch)
+    return batch

@@ -3,6 +3,11 @@
 These dataclasses are the schema: the launcher registers them in Hydra's ConfigStore, so a misspelt key or a
 wrong type fails at composition; workers read the snapshot back through the same schema. Nothing here
 imports Hydra.
+
+Where a user plugs in code (the model, the data sets, the task, the optimizer, a collate function) the config holds
+a node with a `_target_` (Hydra's convention: `{_target_: my_project.models.Net, depth: 4}`), typed `Any` here: the
+launcher checks it against the target's own signature before any process starts (launcher/targets.py), and the
+workers build it with hydra.utils.instantiate from the snapshot (train/build.py).
 """
 
 from __future__ import annotations
@@ -10,33 +15,37 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
 
 @dataclass
-class ModelConfig:
-    name: str = "cnn"  # a key of train.models.MODELS: mlp | cnn | lenet | resnet18
-    width: int = 32  # base channel count of the CNNs (resnet18 uses 64)
-    hidden: list[int] = field(default_factory=lambda: [256, 256])  # mlp: hidden layer sizes
-    dropout: float = 0.0  # dropout probability before the classifier
-
-
-@dataclass
 class DataConfig:
-    name: str = "digits"  # digits | synthetic | mnist | fashion_mnist | cifar10
-    root: str = "data"  # directory holding the data sets in their standard on-disk layouts
+    # The data sets: nodes with a _target_ that builds them (any map-style torch Dataset, or the built-in
+    # in-memory sets of train.data). conf/data/*.yaml fill them.
+    train: Any = None  # the training set
+    eval: Any = None  # the evaluation set
     batch_size: int = 64  # samples per process per micro-step (global batch = this x world size x accumulate)
     eval_batch_size: int = 512  # samples per process per evaluation forward pass
-    image_size: int = 0  # resize images to this side length; 0 keeps the native size
-    augment: bool = False  # random crop (padding 4) and horizontal flip, applied to training batches
+    # A map-style Dataset is served by a torch DataLoader (the in-memory sets need none of these):
+    num_workers: int = 0  # worker processes per rank that load and transform samples
+    pin_memory: bool = True  # page-locked batches for faster, non-blocking copies to the GPU
+    persistent_workers: bool = True  # keep the workers between epochs (with num_workers > 0)
+    prefetch_factor: int = 2  # batches each worker loads ahead (with num_workers > 0)
+    collate_fn: Any = None  # a _target_ with _partial_: true that merges samples into a batch; null: torch's default
+    # The built-in data sets' parameters (what conf/data/*.yaml's train/eval nodes and the models read):
+    name: str = "digits"  # a name for the summary: digits | synthetic | mnist | fashion_mnist | cifar10 | yours
+    root: str = "data"  # directory holding the data sets in their standard on-disk layouts
+    image_size: int = 0  # side length of the images the model sees (resized if the stored ones differ); 0: native
+    augment: bool = False  # built-in sets: random crop (padding 4) and horizontal flip of training batches
     download: bool = False  # fetch a missing mnist/fashion_mnist/cifar10 with torchvision (if installed)
     eval_fraction: float = 0.2  # digits: share of the samples held out for evaluation
     split_seed: int = 0  # digits/synthetic: seed of the train/eval split and of the generated data
     num_samples: int = 2048  # synthetic: training samples
     num_eval_samples: int = 512  # synthetic: evaluation samples
-    num_classes: int = 10  # synthetic: number of classes
-    channels: int = 1  # synthetic: image channels
+    num_classes: int = 10  # classes of the samples (the built-in models' output size)
+    channels: int = 1  # image channels of the samples (the built-in models' input)
     noise: float = 1.0  # synthetic: noise added to the class prototypes (higher is harder)
 
 
@@ -51,11 +60,14 @@ class ScheduleConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"  # sgd | adamw
+    # The optimizer: a _target_ with _partial_: true, called with the parameter groups and the lr, e.g.
+    # {_target_: torch.optim.AdamW, _partial_: true, betas: [0.9, 0.95]}. conf/optim/*.yaml fill it.
+    optimizer: Any = None
     lr: float = 0.05  # peak learning rate (before scaling with the global batch, see scale_lr)
-    momentum: float = 0.9  # sgd: momentum
+    weight_decay: float = 0.0  # decoupled (adamw) or L2 (sgd) weight decay, passed to the optimizer
+    decay_norms_and_biases: bool = True  # false: biases and norm weights (parameters under 2-D) get no weight decay
+    momentum: float = 0.9  # sgd: momentum (conf/optim/sgd.yaml passes it on)
     nesterov: bool = False  # sgd: Nesterov momentum
-    weight_decay: float = 0.0  # decoupled (adamw) or L2 (sgd) weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw: moment decay rates
     scale_lr: bool = False  # linear scaling rule: lr x global_batch / reference_batch_size (Goyal et al. 2017)
     reference_batch_size: int = 256  # the global batch at which `lr` is the right lr
@@ -98,16 +110,22 @@ class CheckpointConfig:
     every_steps: int = 0  # also save every N optimizer steps (0: only after evaluations and at the end)
     keep_last: int = 3  # step checkpoints kept; best.pt is kept besides
     resume: bool = True  # resume from the newest loadable checkpoint of the run directory
+    monitor: str = ""  # the evaluation metric that picks best.pt (e.g. acc, loss); empty: the task's main one
+    mode: str = ""  # min | max: whether a smaller or larger monitor is better; empty: the task's
 
 
 @dataclass
 class TrainConfig:
     name: str = "digits"  # run name; the default run directory is runs/<name>/<overrides>
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: Any = None  # the model: a _target_ that returns an nn.Module (conf/model/*.yaml)
+    task: Any = None  # loss and metrics: a _target_ (train.tasks.Classification | Regression | LanguageModeling | yours)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # Where the user's own modules are imported from (the launch directory, PYTHONPATH): appended to sys.path
+    # of every worker, locally and on SLURM, after this package's (the launcher fills it in).
+    import_path: list[str] = field(default_factory=list)
 
 
 CONFIG_FILE = "config.yaml"

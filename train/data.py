@@ -1,8 +1,11 @@
-"""Data sets, read from their standard on-disk formats into memory.
+"""The built-in data sets, read from their standard on-disk formats into memory, and building the configured ones.
 
-Every data set here fits in memory (CIFAR-10 is 150 MB as uint8), so each is held as one image tensor and one
-label tensor and served as whole batches by `train.batches`: no per-sample Python work in the training loop.
-Images stay in their stored dtype (uint8 for the file formats) and are normalised per batch.
+`data.train` and `data.eval` are `_target_` nodes: the functions at the end of this file (`digits`, `synthetic`,
+`mnist`, `fashion_mnist`, `cifar10`) are the built-in targets, any map-style torch Dataset is another
+(`train.loader` serves it with a DataLoader). Every built-in set fits in memory (CIFAR-10 is 150 MB as uint8), so
+each is held as one image tensor and one label tensor (`TensorData`) and served as whole batches by
+`train.batches`: no per-sample Python work in the training loop. Images stay in their stored dtype (uint8 for the
+file formats) and are normalised per batch.
 """
 
 from __future__ import annotations
@@ -21,13 +24,6 @@ from train.config import DataConfig
 
 class DatasetMissing(FileNotFoundError):
     """A data set's files are not where the config says; the message says where and how to get them."""
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    channels: int
-    image_size: int
-    num_classes: int
 
 
 @dataclass
@@ -63,9 +59,8 @@ class TensorData:
 
 @dataclass
 class Datasets:
-    train: TensorData
-    eval: TensorData
-    spec: DataSpec
+    train: object  # TensorData (served in memory) or a map-style torch Dataset (served by a DataLoader)
+    eval: object
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -145,9 +140,10 @@ def download(cfg: DataConfig) -> None:
 
 
 def prepare(cfg: DataConfig) -> None:
-    """Make sure the data is on disk before any worker starts (downloading once, not once per rank)."""
-    if cfg.name not in LOADERS:
-        raise DatasetMissing(f"data.name={cfg.name!r} is not a known data set; choose one of: {', '.join(sorted(LOADERS))}.")
+    """Make sure a built-in file-backed data set is on disk before any worker starts (downloading once, not once
+    per rank). Other data sets are the user's: nothing to check here."""
+    if cfg.name not in FILE_BACKED:
+        return
     try:
         check_available(cfg)
     except DatasetMissing:
@@ -245,13 +241,7 @@ def _load_synthetic(cfg: DataConfig) -> tuple[TensorData, TensorData]:
     return sample(cfg.num_samples), sample(cfg.num_eval_samples)
 
 
-LOADERS = {
-    "digits": _load_digits,
-    "synthetic": _load_synthetic,
-    "mnist": _load_idx,
-    "fashion_mnist": _load_idx,
-    "cifar10": _load_cifar10,
-}
+FILE_BACKED = ("mnist", "fashion_mnist", "cifar10")  # data.name values whose files prepare() checks
 
 
 def _resize(data: TensorData, size: int) -> TensorData:
@@ -261,22 +251,46 @@ def _resize(data: TensorData, size: int) -> TensorData:
     return TensorData(images, data.labels, data.mean, data.std)
 
 
-NATIVE_SHAPES = {"digits": (1, 8), "mnist": (1, 28), "fashion_mnist": (1, 28), "cifar10": (3, 32)}  # channels, side
+def _pick(loaded: tuple[TensorData, TensorData], split: str, image_size: int) -> TensorData:
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r} must be train or eval")
+    data = loaded[0] if split == "train" else loaded[1]
+    return _resize(data, image_size) if image_size else data
 
 
-def data_spec(cfg: DataConfig) -> DataSpec:
-    """The shape of a data set's samples, known without reading it (the launcher checks models against it)."""
-    if cfg.name == "synthetic":
-        channels, side, classes = cfg.channels, cfg.image_size or 16, cfg.num_classes
-    else:
-        (channels, side), classes = NATIVE_SHAPES[cfg.name], 10
-    return DataSpec(channels=channels, image_size=cfg.image_size or side, num_classes=classes)
+def _config(**values) -> DataConfig:
+    return DataConfig(**{k: v for k, v in values.items() if v is not None})
+
+
+# The built-in data sets, as _target_s of conf/data/*.yaml: each returns one split in memory.
+
+def digits(split: str, image_size: int = 16, eval_fraction: float = 0.2, split_seed: int = 0) -> TensorData:
+    """scikit-learn's bundled 8x8 digits (1,797 real scans), upscaled to image_size; eval_fraction held out."""
+    return _pick(_load_digits(_config(eval_fraction=eval_fraction, split_seed=split_seed)), split, image_size)
+
+
+def synthetic(split: str, image_size: int = 16, num_samples: int = 2048, num_eval_samples: int = 512,
+              num_classes: int = 10, channels: int = 1, noise: float = 1.0, split_seed: int = 0) -> TensorData:
+    """Noisy copies of one random prototype image per class, generated in memory."""
+    cfg = _config(image_size=image_size, num_samples=num_samples, num_eval_samples=num_eval_samples,
+                  num_classes=num_classes, channels=channels, noise=noise, split_seed=split_seed)
+    return _pick(_load_synthetic(cfg), split, image_size)
+
+
+def mnist(split: str, root: str = "data", image_size: int = 0) -> TensorData:
+    return _pick(_load_idx(_config(name="mnist", root=root)), split, image_size)
+
+
+def fashion_mnist(split: str, root: str = "data", image_size: int = 0) -> TensorData:
+    return _pick(_load_idx(_config(name="fashion_mnist", root=root)), split, image_size)
+
+
+def cifar10(split: str, root: str = "data", image_size: int = 0) -> TensorData:
+    return _pick(_load_cifar10(_config(name="cifar10", root=root)), split, image_size)
 
 
 def build_datasets(cfg: DataConfig) -> Datasets:
-    train, evals = LOADERS[cfg.name](cfg)
-    if cfg.image_size:
-        train, evals = _resize(train, cfg.image_size), _resize(evals, cfg.image_size)
-    spec = data_spec(cfg)
-    assert train.images.shape[1:] == (spec.channels, spec.image_size, spec.image_size), (train.images.shape, spec)
-    return Datasets(train, evals, spec)
+    """Instantiate data.train and data.eval (from the resolved snapshot)."""
+    from hydra.utils import instantiate
+
+    return Datasets(instantiate(cfg.train), instantiate(cfg.eval))

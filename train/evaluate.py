@@ -1,62 +1,50 @@
-"""Exact distributed evaluation.
+"""Exact distributed evaluation, for any task's metrics.
 
 DistributedSampler pads the data so every rank gets the same count, which counts some samples twice. Here each
-replica takes an unpadded strided share (their sizes may differ by one), sums loss, hits and count locally, and
-one all_reduce adds them up: the result equals a single-process evaluation of the whole set. Under DDP the
-forward passes run on the unwrapped model, so uneven batch counts never meet a collective. Under FSDP every
-forward gathers parameters, so ranks run in lockstep: one with fewer batches runs empty ones. In a pipeline only
-the last stage scores batches; the others contribute zeros to the sum.
+replica takes an unpadded strided share (their sizes may differ by one), adds up the task's sums locally (loss
+sum, correct predictions, squared errors, counts: `train.tasks`), and one all_reduce adds them over the ranks:
+the metrics equal a single-process evaluation of the whole set. Under DDP the forward passes run on the unwrapped
+model, so uneven batch counts never meet a collective. Under FSDP every forward gathers parameters, so ranks run
+in lockstep: one with fewer batches repeats one, uncounted. In a pipeline only the last stage scores batches.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from train.batches import eval_batches
-from train.data import TensorData
 from train.parallel import Strategy
 
 
 @torch.no_grad()
 def evaluate(
     strategy: Strategy,
-    data: TensorData,
-    batch_size: int,
+    task,
+    batches: Iterable[tuple[object, bool]],
     device: torch.device,
     autocast,
     heartbeat: Callable[[], None] = lambda: None,
 ) -> dict[str, float]:
+    """`batches` yields (batch, counted) pairs: this rank's share of the evaluation set."""
     strategy.sync_buffers()
     strategy.model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    batches = eval_batches(data, batch_size, strategy.replica_rank, strategy.replicas, device)
-    if strategy.lockstep_eval:
-        batches = _lockstep(batches, data, batch_size, strategy.replicas, device)
-    for images, labels in batches:
+    totals: dict[str, torch.Tensor] = {}
+    for batch, counted in batches:
+        inputs, targets = task.split(batch)
         with autocast():
-            logits = strategy.eval_logits(images)
-        if logits is not None:
-            totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-            totals[1] += (logits.argmax(dim=1) == labels).sum()
-            totals[2] += labels.numel()
+            output = strategy.eval_forward(inputs)
+        if output is not None and counted:
+            for name, value in task.sums(output, targets).items():
+                totals[name] = totals.get(name, 0) + value.detach().double()
         heartbeat()
     strategy.model.train()
-    dist.all_reduce(totals)
-    loss, correct, count = totals.tolist()
-    return {"loss": loss / count, "acc": correct / count, "samples": count}
-
-
-def _lockstep(batches: Iterator, data: TensorData, batch_size: int, replicas: int, device: torch.device) -> Iterator:
-    """Pad this rank's batches with empty ones up to the largest rank's count (known without communicating)."""
-    most = math.ceil(math.ceil(len(data) / replicas) / batch_size)
-    count = 0
-    for count, batch in enumerate(batches, start=1):  # noqa: B007 (the count is used after the loop)
-        yield batch
-    empty = data.normalize(data.images[:0].to(device)), data.labels[:0].to(device)
-    for _ in range(most - count):
-        yield empty
+    # Ranks that scored nothing (a pipeline's first stages) learn the names from the others: one small gather.
+    known: list = [None] * dist.get_world_size()
+    dist.all_gather_object(known, list(totals))
+    names = next((n for n in known if n), [])
+    vector = torch.stack([totals.get(n, torch.zeros((), dtype=torch.float64, device=device)).to(device) for n in names]) \
+        if names else torch.zeros(0, dtype=torch.float64, device=device)
+    dist.all_reduce(vector)
+    return task.metrics(dict(zip(names, vector.tolist())))

@@ -10,7 +10,6 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-from torch import nn
 
 from train.config import OptimConfig, ScheduleConfig, TrainConfig
 
@@ -66,15 +65,6 @@ def make_plan(cfg: TrainConfig, world_size: int, train_size: int) -> Plan:
         stop_step=stop,
         warmup_steps=round(cfg.optim.schedule.warmup_epochs * steps_per_epoch),
     )
-
-
-def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    raise ValueError(f"optim.name={cfg.name!r} is not a known optimizer; choose sgd or adamw.")
 
 
 class LrFactor:

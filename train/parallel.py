@@ -1,8 +1,8 @@
 """How the model is spread over the processes: the Strategy interface, and DDP (the default) behind it.
 
 A strategy owns this rank's part of the model and answers everything the loop, evaluation and checkpoints need
-from it: one micro-step's forward and backward, gradient clipping, evaluation logits, and full (unsharded,
-single-device) state dicts. `train.sharded` (FSDP2) and `train.pipeline` implement the same interface, so
+from it: one micro-step's forward and backward, gradient clipping, evaluation outputs, and full (unsharded,
+single-device) state dicts. It distributes; what the loss is, it does not know: the task's `loss` is passed in. `train.sharded` (FSDP2) and `train.pipeline` implement the same interface, so
 `train.run` never asks which strategy it runs.
 """
 
@@ -12,7 +12,6 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -40,18 +39,19 @@ class Strategy:
         """The parameters this rank's optimizer updates."""
         return self.model.parameters()
 
-    def forward_backward(self, images, labels, *, sync: bool, autocast, scaler) -> torch.Tensor:
-        """One micro-step. Gradients are synchronised only when `sync` (the last micro-step of an optimizer step).
-        Returns this rank's loss / trainer.accumulate, detached (zero on ranks that compute no loss)."""
+    def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler) -> torch.Tensor:
+        """One micro-step: `loss(model(inputs), targets)` (the task's), backward. Gradients are synchronised only
+        when `sync` (the last micro-step of an optimizer step). Returns this rank's loss / trainer.accumulate,
+        detached (zero on ranks that compute no loss)."""
         raise NotImplementedError
 
     def clip_grad_norm(self, max_norm: float) -> None:
         nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     @torch.no_grad()
-    def eval_logits(self, images: torch.Tensor) -> torch.Tensor | None:
-        """Logits for an evaluation batch; None on ranks that do not produce them."""
-        return self.model(images)
+    def eval_forward(self, inputs):
+        """The model's output for an evaluation batch; None on ranks that do not produce it."""
+        return self.model(inputs)
 
     def sync_buffers(self) -> None:
         """Give every replica rank 0's buffers (BatchNorm running statistics drift apart between replicas)."""
@@ -93,12 +93,12 @@ class DDPStrategy(Strategy):
         super().__init__(model, cfg, env, device)
         self.module = wrap_ddp(model, cfg, device)
 
-    def forward_backward(self, images, labels, *, sync: bool, autocast, scaler) -> torch.Tensor:
+    def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler) -> torch.Tensor:
         with contextlib.nullcontext() if sync else no_sync(self.module):
             with autocast():
-                loss = F.cross_entropy(self.module(images), labels) / self.cfg.accumulate
-            scaler.scale(loss).backward()
-        return loss.detach().float()
+                value = loss(self.module(inputs), targets) / self.cfg.accumulate
+            scaler.scale(value).backward()
+        return value.detach().float()
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 """`trainer.strategy=pipeline`: the model cut into consecutive stages, one per process (torch.distributed.pipelining).
 
-The cut falls between the model's declared blocks (`train.models.blocks`), as evenly by block count as it goes:
+The cut falls between the model's stages (`train.models.pipeline_stages`: the children of an nn.Sequential, each
+feeding the next), as evenly by count as it goes:
 stage r keeps blocks [r*n/S, (r+1)*n/S) under their original names, so the stages' state dicts put together
 are the whole model's. Every batch is cut into `trainer.microbatches` microbatches that flow through the
 stages with the GPipe or 1F1B schedule; every stage reads the same batches (one replica), so the global batch is
@@ -17,13 +18,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from train.config import TrainerConfig
 from train.dist import DistEnv
-from train.models import blocks
+from train.models import pipeline_stages
 from train.parallel import Strategy, clip_global_norm
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -40,7 +40,7 @@ class PipelineStrategy(Strategy):
     name = "pipeline"
 
     def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv, device: torch.device):
-        kept = stage_blocks(len(blocks(model)), env.world_size, env.rank)
+        kept = stage_blocks(len(pipeline_stages(model)), env.world_size, env.rank)
         for index, name in enumerate(list(model._modules)):
             if index not in kept:
                 del model._modules[name]  # the others' blocks: this rank never holds their weights
@@ -49,14 +49,16 @@ class PipelineStrategy(Strategy):
         self.first, self.last = env.rank == 0, env.rank == env.world_size - 1
         stage = PipelineStage(model, env.rank, env.world_size, device)
         self.schedule = SCHEDULES[cfg.pipeline_schedule](stage, cfg.microbatches, loss_fn=self._loss, scale_grads=False)
+        self.loss = None  # the task's, set by forward_backward: the last stage computes it per microbatch
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float(), labels) / (self.cfg.microbatches * self.cfg.accumulate)
+    def _loss(self, output, targets) -> torch.Tensor:
+        return self.loss(output, targets) / (self.cfg.microbatches * self.cfg.accumulate)
 
-    def forward_backward(self, images, labels, *, sync: bool, autocast, scaler) -> torch.Tensor:
+    def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler) -> torch.Tensor:
+        self.loss = loss
         losses: list[torch.Tensor] = []
         with autocast():
-            self.schedule.step(*([images] if self.first else []), target=labels, losses=losses, return_outputs=False)
+            self.schedule.step(*([inputs] if self.first else []), target=targets, losses=losses, return_outputs=False)
         if not self.last:
             return torch.zeros((), device=self.device)
         return torch.stack(losses).sum().detach()
@@ -66,8 +68,8 @@ class PipelineStrategy(Strategy):
         clip_global_norm([p.grad for p in self.model.parameters() if p.grad is not None], max_norm, self.device)
 
     @torch.no_grad()
-    def eval_logits(self, images: torch.Tensor) -> torch.Tensor | None:
-        x = images if self.first else self._receive()
+    def eval_forward(self, inputs):
+        x = inputs if self.first else self._receive()
         y = self.model(x)
         if self.last:
             return y

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from train import dist as distributed
-from train.batches import TrainBatches, stage
+from train.batches import TrainBatches, eval_batches, stage
+from train.build import add_import_path, build_model, build_optimizer, build_task
 from train.checkpoint import (
     CheckpointManager,
     checkpoint_dir,
@@ -27,12 +28,12 @@ from train.checkpoint import (
 )
 from train.config import TrainConfig, load_config, to_dict
 from train.console import build_console
-from train.data import Datasets, build_datasets
+from train.data import Datasets, TensorData, build_datasets
 from train.dist import DistEnv
 from train.evaluate import evaluate
 from train.metrics import build_metrics
-from train.models import build_model
-from train.optim import Plan, build_optimizer, build_scheduler, make_plan
+from train.loader import LoaderBatches, loader_eval_batches
+from train.optim import Plan, build_scheduler, make_plan
 from train.parallel import Strategy, memory_format, place
 from train.strategies import build_strategy
 from train.state import Progress, build_state, gather_rng, restore_state, seed_rank
@@ -57,6 +58,7 @@ class Outcome:
 def main(config_path: str | Path) -> Outcome:
     config_path = Path(config_path).resolve()
     cfg = load_config(config_path)
+    add_import_path(cfg)
     env = DistEnv.from_env()
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s"))
@@ -72,9 +74,9 @@ def main(config_path: str | Path) -> Outcome:
         run = build(cfg, config_path.parent, env, device, distributed.control_group(), watchdog)
         return fit(run)
     finally:
-        # DDP's reducer and pending work objects hold the process groups. Freed by the garbage collector at
-        # interpreter exit instead, gloo's threads were torn down mid-finalization: "terminate called without an
-        # active exception" (SIGABRT) in about one run in ten. Free them now, then destroy the groups.
+        # DDP's reducer and the strategy hold the process groups. Left to the garbage collector at interpreter
+        # exit, they are torn down while the interpreter finalizes: a rank was seen to end with "terminate called
+        # without an active exception" (SIGABRT) after its last checkpoint. Free them now, then destroy the groups.
         del run
         gc.collect()
         watchdog.close()
@@ -90,6 +92,7 @@ class Run:
     env: DistEnv
     device: torch.device
     data: Datasets
+    task: object  # loss and metrics (train.tasks)
     plan: Plan
     strategy: Strategy  # this rank's part of the model and how it is trained: ddp | fsdp | pipeline
     memory_format: torch.memory_format  # of the model's weights and input batches
@@ -132,8 +135,9 @@ def resume_state(ckpt: CheckpointManager, env: DistEnv, control, watchdog: Watch
 def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, control, watchdog: Watchdog) -> Run:
     data = stage(build_datasets(cfg.data), device)
     plan = make_plan(cfg, env.world_size, len(data.train))
+    task = build_task(cfg)
     torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank
-    model = build_model(cfg.model, data.spec)
+    model = build_model(cfg)
     fmt = memory_format(cfg.trainer, model, device)
     strategy = build_strategy(place(model, device, fmt), cfg.trainer, env, device)
     optimizer = build_optimizer(cfg.optim, strategy.model, plan.lr)
@@ -150,7 +154,7 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
         progress = restore_state(state, **parts)
         ckpt.saved_step = progress.step
     return Run(
-        cfg, run_dir, env, device, data, plan, strategy, fmt, optimizer, scheduler, scaler,
+        cfg, run_dir, env, device, data, task, plan, strategy, fmt, optimizer, scheduler, scaler,
         build_autocast(cfg.trainer.precision, device), ckpt, progress, resumed=state is not None, control=control,
         watchdog=watchdog,
     )
@@ -213,20 +217,44 @@ def evaluation_due(run: Run) -> bool:
     return step >= plan.stop_step or (epoch_end and every > 0 and (step // plan.steps_per_epoch) % every == 0)
 
 
+def train_source(run: Run):
+    """This rank's training batches: whole batches indexed in memory, or a DataLoader over a map-style data set."""
+    cfg = run.cfg
+    rank, replicas = run.strategy.replica_rank, run.strategy.replicas
+    if isinstance(run.data.train, TensorData):
+        return TrainBatches(run.data.train, cfg.data.batch_size, rank, replicas, cfg.trainer.seed, cfg.data.augment,
+                            run.device, run.memory_format)
+    return LoaderBatches(run.data.train, cfg.data, rank, replicas, cfg.trainer.seed, run.device, run.memory_format)
+
+
+def eval_source(run: Run):
+    rank, replicas, lockstep = run.strategy.replica_rank, run.strategy.replicas, run.strategy.lockstep_eval
+    if isinstance(run.data.eval, TensorData):
+        return eval_batches(run.data.eval, run.cfg.data.eval_batch_size, rank, replicas, run.device, lockstep)
+    return loader_eval_batches(run.data.eval, run.cfg.data, rank, replicas, run.device, lockstep)
+
+
+def monitored(run: Run) -> tuple[str, str]:
+    """The metric that picks best.pt and whether smaller (min) or larger (max) is better."""
+    return run.cfg.checkpoint.monitor or run.task.main_metric, run.cfg.checkpoint.mode or run.task.mode
+
+
 def evaluate_and_save(run: Run, metrics, console) -> dict[str, float]:
-    """Evaluate, then checkpoint: the file written at this step carries this evaluation (best_acc, best.pt)."""
+    """Evaluate, then checkpoint: the file written at this step carries this evaluation (best metric, best.pt)."""
     progress, watchdog = run.progress, run.watchdog
-    result = evaluate(
-        run.strategy, run.data.eval, run.cfg.data.eval_batch_size, run.device, run.autocast,
-        heartbeat=lambda: watchdog.beat(progress.step, "evaluating"),
-    )
+    result = evaluate(run.strategy, run.task, eval_source(run), run.device, run.autocast,
+                      heartbeat=lambda: watchdog.beat(progress.step, "evaluating"))
     epoch = progress.step / run.plan.steps_per_epoch
-    metrics.log("eval", progress.step, {"loss": result["loss"], "acc": result["acc"], "epoch": epoch})
-    console.show_eval(progress.step, int(epoch), {"loss": result["loss"], "acc": result["acc"]})
-    is_best = result["acc"] > progress.best_acc
-    progress.best_acc = max(progress.best_acc, result["acc"])
+    metrics.log("eval", progress.step, {**result, "epoch": epoch})
+    console.show_eval(progress.step, int(epoch), result)
+    name, mode = monitored(run)
+    value = result[name]
+    best = progress.best_metric
+    is_best = best is None or (value < best if mode == "min" else value > best)
+    if is_best:
+        progress.best_metric = value
     progress.eval_step = progress.step
-    run.ckpt.saved_step = -1  # a file of this step written before the evaluation would carry a stale best_acc
+    run.ckpt.saved_step = -1  # a file of this step written before the evaluation would carry a stale best metric
     save_checkpoint(run, is_best)
     return result
 
@@ -243,10 +271,7 @@ def fit(run: Run) -> Outcome:
         (run.run_dir / PLAN_FILE).write_text(json.dumps(record, indent=2) + "\n")
     console.print(describe_plan(run))
     stop = StopRequest(cfg.trainer.stop_signals, cfg.trainer.stop_check_every, run.control)
-    batches = TrainBatches(
-        run.data.train, cfg.data.batch_size, run.strategy.replica_rank, run.strategy.replicas, cfg.trainer.seed,
-        cfg.data.augment, run.device, run.memory_format,
-    )
+    batches = train_source(run)
     # Not under compile: recording events inside the compiled forward would split its graph.
     forward = None if cfg.trainer.compile else ForwardClock(run.strategy.model, run.device)
     meter = Meter(run.device, forward)
@@ -264,7 +289,8 @@ def fit(run: Run) -> Outcome:
             micro_batches = batches.epoch(epoch, start=offset * cfg.trainer.accumulate)
         compiling = cfg.trainer.compile and progress.step == start  # the first step compiles: minutes, not a hang
         with watchdog.paused("compiling the first step") if compiling else contextlib.nullcontext():
-            train_step(run.strategy, micro_batches, run.optimizer, run.scheduler, run.scaler, run.autocast, cfg.trainer, meter)
+            train_step(run.strategy, run.task, micro_batches, run.optimizer, run.scheduler, run.scaler, run.autocast,
+                       cfg.trainer, meter)
         progress.step += 1
         if progress.step == start + 1:  # this attempt's first step: the optimizer state exists now
             log_memory(run, metrics, console, progress.step)

@@ -18,7 +18,6 @@ that needs sharded checkpoints (torch.distributed.checkpoint.save), which this p
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.distributed.checkpoint.state_dict import (
@@ -72,12 +71,12 @@ class FSDPStrategy(Strategy):
         for unit in shard_units(model):
             fully_shard(unit, **policy, mp_policy=FLOAT32 if isinstance(unit, _BatchNorm) else mixed_precision(cfg.precision))
 
-    def forward_backward(self, images, labels, *, sync: bool, autocast, scaler) -> torch.Tensor:
+    def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler) -> torch.Tensor:
         self.model.set_requires_gradient_sync(sync)  # FSDP's no_sync: accumulate unsharded, reduce-scatter last
         with autocast():
-            loss = F.cross_entropy(self.model(images), labels) / self.cfg.accumulate
-        loss.backward()  # fp16 (a grad scaler) is refused for fsdp before start
-        return loss.detach().float()
+            value = loss(self.model(inputs), targets) / self.cfg.accumulate
+        value.backward()  # fp16 (a grad scaler) is refused for fsdp before start
+        return value.detach().float()
 
     def clip_grad_norm(self, max_norm: float) -> None:
         """By the norm of the whole gradient: each rank's shards, summed over ranks on the training device (with CPU

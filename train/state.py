@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Progress:
     step: int = 0  # optimizer steps taken
-    best_acc: float = -1.0  # best evaluation accuracy so far (for best.pt)
+    best_metric: float | None = None  # best value so far of the monitored evaluation metric (for best.pt)
     eval_step: int = -1  # the step of the last evaluation (an epoch end without one is evaluated on resume)
 
 
@@ -94,7 +94,7 @@ def build_state(
         "epoch": epoch,
         "step_in_epoch": step_in_epoch,
         "samples_seen": progress.step * plan.global_batch,
-        "best_acc": progress.best_acc,
+        "best_metric": progress.best_metric,
         "eval_step": progress.eval_step,
         "plan": plan.to_dict(),
         "world_size": plan.world_size,
@@ -156,7 +156,8 @@ def restore_state(
         log.warning("the lr schedule changed since the checkpoint (%s): from step %d on, the lr follows the new one "
                     "(%.4g now); the run is no longer the one the checkpoint started", "; ".join(changes), step,
                     scheduler.get_last_lr()[0])
-    return Progress(step=step, best_acc=state["best_acc"], eval_step=step if evaluated else -1)
+    best = state.get("best_metric", state.get("best_acc"))  # files from before checkpoint.monitor: accuracy
+    return Progress(step=step, best_metric=best, eval_step=step if evaluated else -1)
 
 
 def set_schedule_step(scheduler, step: int) -> None:

@@ -139,7 +139,8 @@ def spread(name: str, per_rank: torch.Tensor) -> dict[str, float]:
 
 def train_step(
     strategy: Strategy,
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    task,
+    batches: Iterator,
     optimizer: torch.optim.Optimizer,
     scheduler,
     scaler: torch.amp.GradScaler,
@@ -149,12 +150,12 @@ def train_step(
 ) -> None:
     for micro in range(cfg.accumulate):
         start = time.perf_counter()
-        images, labels = next(batches)
+        inputs, targets = task.split(next(batches))
         meter.data_time += time.perf_counter() - start
         # Gradients are synchronised on the last micro-step only; the others just accumulate locally.
         last = micro == cfg.accumulate - 1
         meter.loss_sum += strategy.forward_backward(
-            images, labels, sync=last, autocast=autocast, scaler=scaler
+            inputs, targets, loss=task.loss, sync=last, autocast=autocast, scaler=scaler
         )
     if cfg.grad_clip > 0:
         scaler.unscale_(optimizer)

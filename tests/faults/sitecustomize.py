@@ -8,13 +8,13 @@ restart runs clean):
   FAULT=slow_data  wait FAULT_DELAY_MS (default 50) before each training batch of this rank: a data stall
   FAULT=slow_forward  wait FAULT_DELAY_MS (default 50) inside every training forward pass of this rank: a slow GPU
   FAULT=term    send itself SIGTERM at the start of optimizer step FAULT_STEP (a stop lands on a known step)
-  FAULT=slow_io checkpoint reads and writes of this rank go in 1 kB chunks, FAULT_DELAY_MS (default 50) each
-                (every attempt: a slow file system, not a crash)
+  FAULT=slow_io checkpoint reads and writes of this rank (of every rank with FAULT_RANK=all) go in 1 kB chunks,
+                FAULT_DELAY_MS (default 50) each (every attempt: a slow file system, not a crash)
 """
 
 import os
 
-if os.environ.get("FAULT") == "slow_io" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0"):
+if os.environ.get("FAULT") == "slow_io" and os.environ.get("FAULT_RANK", "0") in (os.environ.get("RANK"), "all"):
     import threading
 
     import train.checkpoint

@@ -1,0 +1,112 @@
+"""Checking the config's `_target_` nodes before any process starts: each target imports, and the arguments the
+config gives bind to its signature (nested targets too). A misspelt argument, a missing required one or an
+unimportable target is reported with the key, what was wrong and the fix, instead of N ranks failing in
+hydra.utils.instantiate.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from difflib import get_close_matches
+
+# key -> (required, how the trainer calls it beyond the config's arguments)
+TARGETS = {
+    "model": (True, "call"),
+    "task": (True, "call"),
+    "data.train": (True, "call"),
+    "data.eval": (True, "call"),
+    "optim.optimizer": (True, "optimizer"),  # _partial_: called with the parameter groups and lr=...
+    "data.collate_fn": (False, "partial"),  # _partial_: called with a list of samples
+}
+
+
+def _get(cfg, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+    return node
+
+
+def locate(path: str):
+    """Import `path` (package.module.attribute...); raise ImportError that says what was missing and where."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name is not None and not module_name.startswith(error.name):
+                raise ImportError(f"importing {module_name} failed: {error}") from error  # a missing dependency inside
+            continue
+        for attribute in parts[cut:]:
+            if not hasattr(obj, attribute):
+                names = [n for n in dir(obj) if not n.startswith("_")]
+                close = get_close_matches(attribute, names, n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise ImportError(f"{'.'.join(parts[:cut])} has no {attribute!r}{hint}")
+            obj = getattr(obj, attribute)
+        return obj
+    searched = [p for p in sys.path if p and "site-packages" not in p and not p.endswith(".zip")]
+    raise ImportError(
+        f"no module {parts[0]!r} (looked in {', '.join(searched) or 'the working directory'} and the installed "
+        f"packages): run the launcher from the directory that holds {parts[0]}/ or {parts[0]}.py, or add that "
+        f"directory to PYTHONPATH"
+    )
+
+
+def check_target(key: str, node, problems: list[str], call: str = "call") -> None:
+    """Append to `problems` what is wrong with the target node at `key` (nothing if it is fine)."""
+    if not isinstance(node, dict) or "_target_" not in node:
+        problems.append(f"{key} must be a node with a _target_ (e.g. {key}: {{_target_: my_project.models.Net}}), "
+                        f"got {node!r}: pick a config group for it or write the node in your config.")
+        return
+    try:
+        target = locate(str(node["_target_"]))
+    except ImportError as error:
+        problems.append(f"{key}._target_={node['_target_']} cannot be imported: {error}.")
+        return
+    args = {k: v for k, v in node.items() if not k.startswith("_")}
+    for name, value in args.items():  # nested targets are built first and passed in: check them too
+        if isinstance(value, dict) and "_target_" in value:
+            check_target(f"{key}.{name}", value, problems, "partial" if value.get("_partial_") else "call")
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: nothing to bind against
+    accepted = [p.name for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
+    for name in args:
+        if name not in accepted and not takes_any:
+            close = get_close_matches(name, accepted, n=1)
+            problems.append(
+                f"{key}.{name}: {node['_target_']} has no argument {name!r}"
+                + (f" (did you mean {key}.{close[0]}?)" if close else "")
+                + f"; its arguments are: {', '.join(accepted) or 'none'}. Fix or remove the key."
+            )
+    if any(name not in accepted for name in args) and not takes_any:
+        return
+    try:
+        if call == "optimizer":
+            signature.bind(None, **{"lr": 0.0, **args})
+        elif call == "partial" or node.get("_partial_"):
+            signature.bind_partial(**args)
+        else:
+            signature.bind(**args)
+    except TypeError as error:
+        missing = [p.name for p in signature.parameters.values()
+                   if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in args]
+        if missing and call != "optimizer":
+            problems.append(f"{key}: {node['_target_']} needs {', '.join(repr(m) for m in missing)}, which the config does "
+                            f"not give: add {' '.join(f'{key}.{m}=...' for m in missing)} (or set it in your config file).")
+        else:
+            problems.append(f"{key}: the config's arguments do not fit {node['_target_']}{signature}: {error}.")
+
+
+def check_targets(cfg, problems: list[str]) -> None:
+    for key, (required, call) in TARGETS.items():
+        node = _get(cfg, key)
+        if node is None and not required:
+            continue
+        check_target(key, node, problems, call)

@@ -1,0 +1,135 @@
+"""Bring your own model, data and task: a project outside the package (examples/diabetes: a residual MLP that is
+not an nn.Sequential, a data set that reads each sample from its own file, a Huber task), launched from its own
+directory, which also holds a train.py, models.py and data.py. Real processes, gloo."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, final_checkpoint, read_metrics, run_cli
+
+EXAMPLE = REPO / "examples" / "diabetes"
+# Deterministic runs for the identities: no augmentation noise, no loader workers (they are tested below).
+PLAIN = ["--config-dir", "conf", "+experiment=diabetes", "trainer.progress=lines", "trainer.threads=1",
+         "data.train.noise=0", "data.num_workers=0", "trainer.eval_every=0", "trainer.max_steps=12"]
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def make_project(directory, eval_samples: int = 88):
+    generated = lambda where, names: [n for n in names if n == "__pycache__" or (where == str(EXAMPLE) and n == "data")]  # noqa: E731
+    shutil.copytree(EXAMPLE, directory, ignore=generated)
+    subprocess.run([sys.executable, "prepare.py", "--eval-samples", str(eval_samples)], cwd=directory, check=True,
+                   capture_output=True)
+    assert (directory / "train.py").exists() and (directory / "models.py").exists()  # the names that could clash
+    return directory
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    return make_project(tmp_path_factory.mktemp("byo") / "project")
+
+
+def launch_in(project, *overrides, timeout: float = 300):
+    return run_cli("launcher", *overrides, cwd=project, timeout=timeout)
+
+
+def test_a_users_model_trains_under_ddp_and_fsdp_with_the_data_parallel_identity(project, tmp_path):
+    runs = {
+        "one": ["trainer.procs_per_node=1", "data.batch_size=32"],
+        "ddp": ["trainer.procs_per_node=2", "data.batch_size=16"],
+        "fsdp": ["trainer.procs_per_node=2", "data.batch_size=16", "trainer.strategy=fsdp"],
+    }
+    for name, overrides in runs.items():
+        proc = launch_in(project, *PLAIN, *overrides, f"hydra.run.dir={tmp_path / name}")
+        assert proc.returncode == 0, f"{name} failed"
+    one, ddp, fsdp = (final_checkpoint(tmp_path / n)["model"] for n in runs)
+    assert any(k.startswith("blocks.") for k in one)  # the user's module, under its own names
+    for name, expected in one.items():
+        torch.testing.assert_close(ddp[name], expected, **TOLERANCE, msg=f"ddp 2 x 16: {name} differs from 1 x 32")
+        torch.testing.assert_close(fsdp[name], ddp[name], **TOLERANCE, msg=f"fsdp: {name} differs from ddp")
+    initial = read_metrics(tmp_path / "one")
+    assert [r for r in initial if r["kind"] == "eval"][-1]["mse"] < 1.0  # it learned (the targets' variance is 1)
+
+
+def test_mse_at_world_size_3_equals_one_process_on_101_samples(tmp_path):
+    project = make_project(tmp_path / "project", eval_samples=101)
+    results = {}
+    for world, batch in ((1, 24), (3, 8)):  # the same global batch: the same weights after the step
+        run_dir = tmp_path / f"world{world}"
+        proc = launch_in(project, *PLAIN, f"trainer.procs_per_node={world}", f"data.batch_size={batch}",
+                         "trainer.max_steps=1", "data.eval_batch_size=16", f"hydra.run.dir={run_dir}")
+        assert proc.returncode == 0
+        [results[world]] = [r for r in read_metrics(run_dir) if r["kind"] == "eval"]
+    # 101 samples over 3 ranks (34, 34, 33): a padded sampler would count one twice and move the MSE by ~1%.
+    assert results[3]["mse"] == pytest.approx(results[1]["mse"], rel=1e-6)
+    assert results[3]["loss"] == pytest.approx(results[1]["loss"], rel=1e-6)
+
+
+def test_resume_mid_epoch_with_loader_workers_and_augmentation_is_bitwise(project, tmp_path):
+    run = ["--config-dir", "conf", "+experiment=diabetes", "trainer.progress=lines", "trainer.threads=1",
+           "data.num_workers=2", "data.train.noise=0.1", "data.batch_size=16", "trainer.eval_every=0"]
+    # 354 samples, 2 ranks x 16: 11 steps per epoch; stopping at 16 leaves epoch 1 half done.
+    assert launch_in(project, *run, "trainer.max_steps=22", f"hydra.run.dir={tmp_path / 'straight'}").returncode == 0
+    assert launch_in(project, *run, "trainer.max_steps=16", f"hydra.run.dir={tmp_path / 'split'}").returncode == 0
+    resumed = launch_in(project, *run, "trainer.max_steps=22", f"hydra.run.dir={tmp_path / 'split'}")
+    assert resumed.returncode == 0 and "resumed at step 16" in resumed.stdout
+    a, b = final_checkpoint(tmp_path / "straight"), final_checkpoint(tmp_path / "split")
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs after resume"
+    noisy = launch_in(project, *run, "data.train.noise=0.2", "trainer.max_steps=6", f"hydra.run.dir={tmp_path / 'other'}")
+    assert noisy.returncode == 0  # and the noise really is applied: other noise, other weights
+    assert not torch.equal(final_checkpoint(tmp_path / "other")["model"]["head.weight"],
+                           final_checkpoint(tmp_path / "straight")["model"]["head.weight"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("+model.widht=16", "model.widht: models.ResidualMLP has no argument 'widht' (did you mean model.width?)"),
+    ("~model.in_features", "model: models.ResidualMLP needs 'in_features', which the config does not give: add model.in_features=..."),
+    ("task._target_=losses.Hubber", "task._target_=losses.Hubber cannot be imported: losses has no 'Hubber'; did you mean Huber?"),
+    ("data.train._target_=datasets.Files", "data.train._target_=datasets.Files cannot be imported: no module 'datasets'"),
+])
+def test_a_bad_user_target_is_refused_before_any_worker_starts(project, tmp_path, override, message):
+    proc = launch_in(project, *PLAIN, override, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "plan:" not in proc.stdout  # no worker ran
+
+
+def test_the_readmes_smallest_example_trains_as_written(tmp_path):
+    """The two files of README.md's "Bring your own model" section, taken from the README itself."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Bring your own model"):]
+    blocks = {}
+    for block in section.split("```")[1:8:2]:  # the fenced blocks' contents
+        body = block.split("\n", 1)[1]
+        first = body.splitlines()[0]
+        if first.startswith("# my_project/"):
+            blocks[first[len("# my_project/"):]] = body.split("\n", 1)[1]  # the file, without the path comment
+    assert set(blocks) == {"net.py", "conf/experiment/mine.yaml"}
+    for name, body in blocks.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(body)
+    proc = run_cli("launcher", "--config-dir", "conf", "+experiment=mine", "trainer.progress=lines", "trainer.threads=1",
+                   "trainer.epochs=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 0
+    assert "model     net.Net(width=128)" in proc.stdout
+    assert [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"][-1]["acc"] > 0.5  # it learned (chance: 0.1)
+
+
+def test_the_project_runs_under_plain_torchrun_from_the_snapshot(project, tmp_path):
+    run_dir = tmp_path / "run"
+    dry = launch_in(project, *PLAIN, "launcher.dry_run=true", f"hydra.run.dir={run_dir}")
+    assert dry.returncode == 0
+    # From the project's directory (its own train.py there): python -P keeps the working directory off the path;
+    # the project's modules come from the snapshot's import_path.
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
+                           sys.executable, "-P", "-m", "train", str(run_dir / "config.yaml")],
+                          cwd=project, capture_output=True, text=True, timeout=300)
+    print(proc.stdout, proc.stderr)
+    assert proc.returncode == 0
+    assert final_checkpoint(run_dir)["step"] == 12 and "blocks.0.norm.weight" in final_checkpoint(run_dir)["model"]

@@ -1,0 +1,52 @@
+"""Building what the config names with a `_target_`: the model, the task, the optimizer (hydra.utils.instantiate,
+from the resolved snapshot: workers never enter @hydra.main). The launcher checked every target against its
+signature before any process started (launcher/targets.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from train.config import OptimConfig, TrainConfig
+
+
+def add_import_path(cfg: TrainConfig) -> None:
+    """Make the user's modules importable, after this package's own: a user's train.py or models.py must neither
+    shadow ours nor be needed under our names."""
+    for path in cfg.import_path:
+        if path not in sys.path:
+            sys.path.append(path)
+
+
+def instantiate(node, **kwargs):
+    from hydra.utils import instantiate as hydra_instantiate
+
+    return hydra_instantiate(node, _convert_="all", **kwargs)  # plain lists and dicts: checkpoints stay weights_only
+
+
+def build_model(cfg: TrainConfig) -> nn.Module:
+    model = instantiate(cfg.model)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model._target_={cfg.model['_target_']} returned a {type(model).__name__}, not an nn.Module.")
+    return model
+
+
+def build_task(cfg: TrainConfig):
+    return instantiate(cfg.task)
+
+
+def parameter_groups(cfg: OptimConfig, model: nn.Module) -> list[dict]:
+    """One group decayed by optim.weight_decay; with optim.decay_norms_and_biases=false, the parameters under two
+    dimensions (biases, norm weights) in a second group without weight decay (as GPT-2 and most recipes)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.decay_norms_and_biases:
+        return [{"params": params, "weight_decay": cfg.weight_decay}]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """optim.optimizer is a _partial_ target: called here with the parameter groups and the plan's lr."""
+    return instantiate(cfg.optimizer)(parameter_groups(cfg, model), lr=lr)

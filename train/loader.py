@@ -1,0 +1,112 @@
+"""Any map-style torch Dataset, served by a real DataLoader: worker processes, pinned memory, prefetching.
+
+The order is DistributedSampler's (shuffled per epoch with `set_epoch`, padded so every rank gets the same number
+of batches; a partial last batch is dropped), the same as the in-memory path's for a data set of the same size.
+A resumed run starts at the saved batch of the epoch without replaying the ones before.
+
+Randomness: every sample is loaded with the global generators (torch, random, numpy) seeded from (seed, epoch,
+sample index), and restored afterwards. So a random crop or flip in a data set's __getitem__ does not depend on
+the rank, the worker that loads it, the number of workers, the world size or where a resumed run started: a run
+stopped and resumed mid-epoch is bitwise the straight one.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
+
+from train.batches import _mix_int, to_device
+from train.config import DataConfig
+
+
+class SeededSamples(Dataset):
+    """Wraps a data set; its keys are (epoch, index) and each sample is drawn under its own seed."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        seed = _mix_int(_mix_int(self.seed * 1_000_003 + epoch) + index)
+        python, generator = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):  # in the main process (num_workers=0), its own streams stay as they were
+            torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(python)
+                np.random.set_state(generator)
+
+
+class EpochSampler(Sampler):
+    """This rank's keys (epoch, index) for one epoch, from a given batch on."""
+
+    def __init__(self, size: int, batch_size: int, rank: int, replicas: int, seed: int):
+        self.order = DistributedSampler(range(size), num_replicas=replicas, rank=rank, shuffle=True, seed=seed)
+        self.batch_size = batch_size
+        self.batches = len(self.order) // batch_size
+        self.epoch, self.start = 0, 0
+
+    def __len__(self) -> int:
+        return (self.batches - self.start) * self.batch_size
+
+    def __iter__(self):
+        self.order.set_epoch(self.epoch)
+        indices = list(self.order)[self.start * self.batch_size : self.batches * self.batch_size]
+        return iter([(self.epoch, i) for i in indices])
+
+
+def _loader_options(cfg: DataConfig, device: torch.device) -> dict:
+    from hydra.utils import instantiate
+
+    options = {"num_workers": cfg.num_workers, "pin_memory": cfg.pin_memory and device.type == "cuda",
+               "collate_fn": instantiate(cfg.collate_fn) if cfg.collate_fn else None}
+    if cfg.num_workers > 0:
+        options.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
+    return options
+
+
+class LoaderBatches:
+    """One rank's training batches from a map-style data set, for any epoch, from any batch within it."""
+
+    def __init__(self, dataset: Dataset, cfg: DataConfig, rank: int, replicas: int, seed: int, device: torch.device,
+                 memory_format: torch.memory_format = torch.contiguous_format):
+        self.sampler = EpochSampler(len(dataset), cfg.batch_size, rank, replicas, seed)
+        self.batches_per_epoch = self.sampler.batches
+        self.device, self.memory_format = device, memory_format
+        self.loader = DataLoader(SeededSamples(dataset, seed), batch_size=cfg.batch_size, sampler=self.sampler,
+                                 drop_last=True, **_loader_options(cfg, device))
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator:
+        self.sampler.epoch, self.sampler.start = epoch, start
+        for batch in self.loader:
+            yield to_device(batch, self.device, self.memory_format)
+
+
+def loader_eval_batches(dataset: Dataset, cfg: DataConfig, rank: int, replicas: int, device: torch.device,
+                        lockstep: bool) -> Iterator[tuple[object, bool]]:
+    """This rank's strided, unpadded share of the evaluation set (samples rank, rank + W, ...), as (batch, True);
+    with `lockstep`, then (batch, False) repeats up to the largest rank's batch count (their sums are ignored)."""
+    real = rank < len(dataset)  # a rank without a sample of its own runs sample 0, uncounted
+    mine = list(range(rank, len(dataset), replicas)) if real else [0]
+    loader = DataLoader(Subset(dataset, mine), batch_size=cfg.eval_batch_size, shuffle=False, **_loader_options(cfg, device))
+    count, last = 0, None
+    for batch in loader:
+        last = to_device(batch, device)
+        count += 1
+        yield last, real
+    if lockstep:
+        most = math.ceil(math.ceil(len(dataset) / replicas) / cfg.eval_batch_size)
+        for _ in range(most - count):
+            yield last, False
