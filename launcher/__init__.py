@@ -2,15 +2,19 @@
 Depends on `train` (never the other way round).
 
 `python -m launcher` puts the working directory first on sys.path, where a user's project often has a train.py,
-models.py or data.py: they would shadow this package's modules. The working directory stays importable (the
-user's `_target_`s live there), after this package's own; the same order holds in the workers (`python -P`, and
-`import_path` appended from the snapshot). The `ddp-launch` command does the same beside a user's own launcher.py.
+models.py or data.py. Appending it last is not enough: an editable install finds this package through a finder
+that Python asks only after every sys.path entry, so a project's train.py would still win. So the working
+directory leaves the path, this package's `train` is imported (and so pinned in sys.modules), and the directory
+comes back at the end, for the user's `_target_`s. The workers do the same (`python -P`, then the snapshot's
+`import_path`); the `ddp-launch` command works beside a user's own launcher.py.
 """
 
 import os
 import sys
 
 _here = os.getcwd()
-while _here in sys.path or "" in sys.path:
-    sys.path.remove(_here if _here in sys.path else "")
+while "" in sys.path or _here in sys.path:
+    sys.path.remove("" if "" in sys.path else _here)
+import train  # noqa: E402,F401  (ours, before the working directory can offer a train.py of its own)
+
 sys.path.append(_here)

@@ -80,6 +80,13 @@ def submit_to_slurm(cfg: Config, run_dir: Path, snapshot: Path) -> int:
 
 def launch(cfg: DictConfig, run_dir: Path) -> int:
     """Validate, snapshot, and run (or submit) one run. Returns its exit code; writes RUN_DIR/status.json."""
+    unset = sorted(OmegaConf.missing_keys(cfg))
+    if unset:  # `???` in a config file: a value the user must give
+        message = f"the config leaves {', '.join(unset)} unset (??? in its file): give {'them' if len(unset) > 1 else 'it'} " \
+                  f"on the command line, e.g. {' '.join(f'{key}=...' for key in unset)}"
+        print(f"error: {message}", file=sys.stderr)
+        write_status(run_dir, "failed", error=message)
+        return 2
     # Paths in the snapshot are absolute, so `python -m train RUN_DIR/config.yaml` works from any directory.
     cfg.data.root = str(Path(cfg.data.root).expanduser().resolve())
     # Where the user's own modules come from, for the workers (locally and on SLURM) to import them too.

@@ -45,10 +45,20 @@ def test_the_default_job_is_the_digits_preset_on_two_cpu_processes():
 
 
 @pytest.mark.parametrize("group", ["model", "data", "optim", "trainer"])
+REQUIRED = {"data=image_folder": ["data.root=/images", "data.num_classes=3"]}  # its ??? values
+
+
 def test_every_group_option_composes(group):
     for option in sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")):
-        cfg = typed(f"{group}={option}")
+        cfg = typed(f"{group}={option}", *REQUIRED.get(f"{group}={option}", []))
         assert isinstance(cfg, Config)
+
+
+def test_a_value_left_unset_is_asked_for_before_start(launch, tmp_path):
+    proc = launch("data=image_folder", f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert proc.returncode == 2
+    assert "the config leaves data.num_classes, data.root unset (??? in its file): give them on the command line, " \
+           "e.g. data.num_classes=... data.root=..." in proc.stderr
 
 
 def test_misspelt_key_fails_at_composition():

@@ -148,3 +148,35 @@ def test_augmentation_hashes_its_seed_on_the_host_with_the_same_numbers(monkeypa
 
     monkeypatch.setattr(batches.torch, "tensor", no_host_tensors)
     assert torch.equal(augment(images, indices, seed=3, epoch=1), expected)
+
+
+def write_image_folder(root, per_class: int = 12):
+    """scikit-learn's digit scans 0, 1 and 2 as real PNG files, one sub-folder per class."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits_ = load_digits()
+    for label in range(3):
+        (root / f"digit{label}").mkdir(parents=True)
+        scans = digits_.images[digits_.target == label][:per_class]
+        for i, scan in enumerate(scans):
+            Image.fromarray((scan * 15).astype(np.uint8), mode="L").save(root / f"digit{label}" / f"{i:03d}.png")
+
+
+def test_an_image_folder_decodes_classes_from_sub_folders_lazily(tmp_path):
+    from train.images import ImageFolder
+
+    write_image_folder(tmp_path / "train")
+    (tmp_path / "train" / "digit1" / "notes.txt").write_text("not an image")
+    data = ImageFolder(str(tmp_path / "train"), image_size=16, channels=1)
+    assert data.classes == ["digit0", "digit1", "digit2"] and len(data) == 36  # the text file is not a sample
+    image, label = data[12]
+    assert image.shape == (1, 16, 16) and label == 1 and image.dtype == torch.float32
+    plain = ImageFolder(str(tmp_path / "train"), channels=1)[0][0]
+    assert plain.shape == (1, 8, 8)  # the stored size, when no image_size is asked for
+    torch.manual_seed(0)
+    crops = {tuple(ImageFolder(str(tmp_path / "train"), image_size=16, channels=1, augment=True)[0][0].flatten().tolist())
+             for _ in range(6)}
+    assert len(crops) > 1  # random crops and flips
+    with pytest.raises(FileNotFoundError, match="no .png"):
+        ImageFolder(str(tmp_path / "train" / "digit0"))

@@ -133,8 +133,15 @@ def test_a_preemption_sigterm_saves_requeues_and_the_job_resumes(cluster, launch
 
 
 def start_requeued_now(job_id: str) -> None:
-    """Skip SLURM's ~2 min hold of a requeued job. Only once both nodes are idle again: a relaunch within the
-    second its old credential was revoked is refused ("Job credential revoked") and the job fails."""
+    """Skip SLURM's ~2 min hold of a requeued job, but not within the second of the requeue: slurmd compares
+    credential times in whole seconds, and a relaunch in the second the old credential was revoked is refused
+    ("Job credential revoked") and the job fails. A requeue sets the job's SubmitTime."""
+    import datetime
+    import time
+
+    fields = dict(item.partition("=")[::2] for item in _show(job_id).split())
+    requeued = datetime.datetime.fromisoformat(fields["SubmitTime"]).timestamp()
+    wait_for(lambda: time.time() >= requeued + 2, timeout=30, what="the second after the requeue to pass")
     idle = lambda: subprocess.run(["sinfo", "-h", "-t", "idle", "-o", "%D"], capture_output=True, text=True).stdout.split()  # noqa: E731
     wait_for(lambda: sum(int(n) for n in idle()) == 2, timeout=60, what="the nodes to be released")
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)

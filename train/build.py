@@ -13,8 +13,9 @@ from train.config import OptimConfig, TrainConfig
 
 
 def add_import_path(cfg: TrainConfig) -> None:
-    """Make the user's modules importable, after this package's own: a user's train.py or models.py must neither
-    shadow ours nor be needed under our names."""
+    """Make the user's modules importable, after this package's own. `train` is already imported here (the worker
+    started with python -P, without the working directory on the path), so a project's train.py cannot replace it,
+    however this package is installed."""
     for path in cfg.import_path:
         if path not in sys.path:
             sys.path.append(path)
