@@ -44,21 +44,29 @@ def test_the_default_job_is_the_digits_preset_on_two_cpu_processes():
     assert (default.trainer.gpus, default.trainer.procs_per_node, default.data.name) == (0, 2, "digits")
 
 
-@pytest.mark.parametrize("group", ["model", "data", "optim", "trainer"])
-REQUIRED = {"data=image_folder": ["data.root=/images", "data.num_classes=3"]}  # its ??? values
-
-
+@pytest.mark.parametrize("group", ["model", "data", "task", "optim", "trainer"])
 def test_every_group_option_composes(group):
     for option in sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")):
-        cfg = typed(f"{group}={option}", *REQUIRED.get(f"{group}={option}", []))
+        cfg = typed(f"{group}={option}")
         assert isinstance(cfg, Config)
 
 
 def test_a_value_left_unset_is_asked_for_before_start(launch, tmp_path):
-    proc = launch("data=image_folder", f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    proc = launch("model.width=???", f"hydra.run.dir={tmp_path / 'run'}", timeout=120)  # as a project's YAML may
     assert proc.returncode == 2
-    assert "the config leaves data.num_classes, data.root unset (??? in its file): give them on the command line, " \
-           "e.g. data.num_classes=... data.root=..." in proc.stderr
+    assert "the config leaves model.width unset (??? in its file): give it on the command line, e.g. model.width=..." \
+           in proc.stderr
+
+
+def test_an_image_folder_is_checked_before_start(launch, tmp_path):
+    from test_data import write_image_folder
+
+    proc = launch("data=image_folder", f"data.root={tmp_path / 'nowhere'}", f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert proc.returncode == 2 and f"{tmp_path / 'nowhere' / 'train'} holds no class sub-folders" in proc.stderr
+    write_image_folder(tmp_path / "images" / "train", per_class=2)
+    write_image_folder(tmp_path / "images" / "eval", per_class=2)
+    proc = launch("data=image_folder", f"data.root={tmp_path / 'images'}", f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert proc.returncode == 2 and "data.num_classes=10, but" in proc.stderr and "set data.num_classes=3" in proc.stderr
 
 
 def test_misspelt_key_fails_at_composition():

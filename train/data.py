@@ -113,9 +113,27 @@ def _missing(cfg: DataConfig, expected: str) -> DatasetMissing:
     )
 
 
+def _check_image_folder(cfg: DataConfig) -> None:
+    for split in ("train", "eval"):
+        directory = Path(cfg.root) / split
+        classes = sorted(d.name for d in directory.iterdir() if d.is_dir()) if directory.is_dir() else []
+        if not classes:
+            raise DatasetMissing(
+                f"data=image_folder: {directory} holds no class sub-folders; expected data.root/train/<class>/*.png "
+                f"(or .jpg) and data.root/eval/<class>/...: point data.root at the folder that holds train/ and eval/."
+            )
+        if split == "train" and len(classes) != cfg.num_classes:
+            raise DatasetMissing(
+                f"data.num_classes={cfg.num_classes}, but {directory} has {len(classes)} class folders "
+                f"({', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''}): set data.num_classes={len(classes)}."
+            )
+
+
 def check_available(cfg: DataConfig) -> None:
     """Raise DatasetMissing (with where the files are expected and how to get them) if the data is not there."""
-    if cfg.name in IDX_DIRS:
+    if cfg.name == "image_folder":
+        _check_image_folder(cfg)
+    elif cfg.name in IDX_DIRS:
         if _idx_dir(cfg) is None:
             where = " or ".join(f"{Path(cfg.root) / d}/" for d in IDX_DIRS[cfg.name])
             raise _missing(cfg, f"{', '.join(MNIST_FILES.values())} (optionally .gz) in {where}")
@@ -147,7 +165,7 @@ def prepare(cfg: DataConfig) -> None:
     try:
         check_available(cfg)
     except DatasetMissing:
-        if not cfg.download:
+        if not cfg.download or cfg.name not in SOURCES:
             raise
         download(cfg)
         check_available(cfg)
@@ -241,7 +259,7 @@ def _load_synthetic(cfg: DataConfig) -> tuple[TensorData, TensorData]:
     return sample(cfg.num_samples), sample(cfg.num_eval_samples)
 
 
-FILE_BACKED = ("mnist", "fashion_mnist", "cifar10")  # data.name values whose files prepare() checks
+FILE_BACKED = ("mnist", "fashion_mnist", "cifar10", "image_folder")  # data.name values whose files prepare() checks
 
 
 def _resize(data: TensorData, size: int) -> TensorData:
