@@ -8,7 +8,7 @@ shards the data without padding, so no sample is counted twice (see `train.evalu
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -16,11 +16,8 @@ from torch.utils.data import DistributedSampler
 from train.data import Datasets, TensorData
 
 
-def _mix(x):
-    """A splitmix64-style integer hash of int64 tensors (arithmetic wraps around), or of a Python int (the same
-    numbers, via `_mix_int`)."""
-    if isinstance(x, int):
-        return _mix_int(x)
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A splitmix64-style integer hash, vectorised (int64 arithmetic wraps around)."""
     x = x * -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
     x = x ^ ((x >> 31) & 0x1FFFFFFFF)
     x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -100,7 +97,7 @@ class TrainBatches:
             images = self.data.images[idx]
             if self.use_augment:
                 images = augment(images, idx, self.seed, epoch)
-            images, labels = _to_device(images, self.data.labels[idx], self.device)
+            images, labels = _copy_pinned(images, self.data.labels[idx], self.device)
             images = self.data.normalize(images)
             if self.memory_format != torch.contiguous_format:
                 images = images.contiguous(memory_format=self.memory_format)
@@ -112,25 +109,36 @@ def eval_batches(data: TensorData, batch_size: int, rank: int, world_size: int, 
     """This rank's strided, unpadded share of the evaluation set (samples rank, rank + W, rank + 2W, ...) as
     (batch, True); with `lockstep`, then (batch, False) repeats up to the largest rank's batch count, so that
     forwards holding collectives (fsdp) run as often on every rank. Uncounted batches' sums are ignored."""
-    real = rank < len(data)
+    real = rank < len(data)  # a rank without a sample of its own runs sample 0, uncounted
     idx = torch.arange(rank, len(data), world_size, device=data.images.device) if real else torch.zeros(1, dtype=torch.long)
+
+    def batches():
+        for start in range(0, len(idx), batch_size):
+            sel = idx[start : start + batch_size]
+            images, labels = _copy_pinned(data.images[sel], data.labels[sel], device)
+            yield data.normalize(images), labels
+
+    return eval_share(batches(), real, len(data), world_size, batch_size, lockstep)
+
+
+def eval_share(batches: Iterable, counted: bool, size: int, replicas: int, batch_size: int,
+               lockstep: bool) -> Iterator[tuple[object, bool]]:
+    """A rank's evaluation batches as (batch, counted); with `lockstep`, then its last batch again, uncounted, up to
+    the largest rank's batch count (known without communicating): forwards holding collectives (fsdp) must run as
+    often on every rank."""
     count, last = 0, None
-    for start in range(0, len(idx), batch_size):
-        sel = idx[start : start + batch_size]
-        images, labels = _to_device(data.images[sel], data.labels[sel], device)
-        last = (data.normalize(images), labels)
+    for last in batches:
         count += 1
-        yield last, real
+        yield last, counted
     if lockstep:
-        most = math.ceil(math.ceil(len(data) / world_size) / batch_size)
-        for _ in range(most - count):
+        for _ in range(math.ceil(math.ceil(size / replicas) / batch_size) - count):
             yield last, False
 
 
 def stage(data: Datasets, device: torch.device) -> Datasets:
     """On a GPU, keep in-memory data sets that take under a quarter of the free device memory on the device:
     batches are then indexed and augmented there, with no host-to-device copy per step. Larger ones stay on the
-    host and each batch is copied from pinned memory without blocking (see `_to_device`). Other data sets are
+    host and each batch is copied from pinned memory without blocking (see `_copy_pinned`). Other data sets are
     served by a DataLoader (train.loader)."""
     if device.type != "cuda" or not (isinstance(data.train, TensorData) and isinstance(data.eval, TensorData)):
         return data
@@ -140,7 +148,7 @@ def stage(data: Datasets, device: torch.device) -> Datasets:
     return Datasets(data.train.to(device), data.eval.to(device))
 
 
-def _to_device(images: torch.Tensor, labels: torch.Tensor, device: torch.device):
+def _copy_pinned(images: torch.Tensor, labels: torch.Tensor, device: torch.device):
     # Copy the stored (often uint8) images and normalise on the device: 4x less to move than float32.
     if device.type == "cuda" and images.device != device:
         return images.pin_memory().to(device, non_blocking=True), labels.pin_memory().to(device, non_blocking=True)

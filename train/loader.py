@@ -12,7 +12,6 @@ stopped and resumed mid-epoch is bitwise the straight one.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Iterator
 
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
-from train.batches import _mix_int, to_device
+from train.batches import _mix_int, eval_share, to_device
 from train.config import DataConfig
 
 
@@ -101,12 +100,5 @@ def loader_eval_batches(dataset: Dataset, cfg: DataConfig, rank: int, replicas: 
     real = rank < len(dataset)  # a rank without a sample of its own runs sample 0, uncounted
     mine = list(range(rank, len(dataset), replicas)) if real else [0]
     loader = DataLoader(Subset(dataset, mine), batch_size=cfg.eval_batch_size, shuffle=False, **_loader_options(cfg, device))
-    count, last = 0, None
-    for batch in loader:
-        last = to_device(batch, device)
-        count += 1
-        yield last, real
-    if lockstep:
-        most = math.ceil(math.ceil(len(dataset) / replicas) / cfg.eval_batch_size)
-        for _ in range(most - count):
-            yield last, False
+    batches = (to_device(batch, device) for batch in loader)
+    return eval_share(batches, real, len(dataset), replicas, cfg.eval_batch_size, lockstep)
