@@ -30,6 +30,12 @@ def describe_target(node: dict) -> str:
     return f"{node['_target_']}({args})" if len(args) < 100 else f"{node['_target_']}({args[:97]}...)"
 
 
+def describe_schedule(node: dict) -> str:
+    if node.get("_target_") == "train.optim.WarmupSchedule":
+        return f"{node.get('name', 'cosine')} after {node.get('warmup_epochs', 0):g} warmup epoch(s)"
+    return describe_target(node)
+
+
 def summary(cfg: Config, run_dir: Path, changed: list[str]) -> str:
     t, o = cfg.trainer, cfg.optim
     world = world_size(cfg)
@@ -51,8 +57,8 @@ def summary(cfg: Config, run_dir: Path, changed: list[str]) -> str:
         ("data", f"{cfg.data.name} {SOURCES.get(cfg.data.name, '')}".rstrip() if str(cfg.data.train["_target_"]).startswith("train.data.")
          else f"{describe_target(cfg.data.train)}, {cfg.data.num_workers} loader worker(s) per process"),
         ("batch", f"{cfg.data.batch_size} per replica x {replicas(cfg, world)} replica(s) x {t.accumulate} accumulation = global batch {batch}"),
-        ("optim", f"{str(o.optimizer['_target_']).rsplit('.', 1)[-1]}, lr {lr:.4g}{lr_note}, warmup {o.schedule.warmup_epochs:g} epoch(s), "
-                  f"{o.schedule.name} schedule over {t.epochs} epochs, precision {t.precision}"),
+        ("optim", f"{str(o.optimizer['_target_']).rsplit('.', 1)[-1]}, lr {lr:.4g}{lr_note}, schedule "
+                  f"{describe_schedule(o.schedule)} over {t.epochs} epochs, precision {t.precision}"),
         ("start", start),
     ]
     if changed:

@@ -11,6 +11,8 @@ import inspect
 import sys
 from difflib import get_close_matches
 
+from torch.optim.lr_scheduler import LRScheduler
+
 # key -> (required, how the trainer calls it beyond the config's arguments)
 TARGETS = {
     "model": (True, "call"),
@@ -19,7 +21,9 @@ TARGETS = {
     "data.eval": (True, "call"),
     "optim.optimizer": (True, "optimizer"),  # _partial_: called with the parameter groups and lr=...
     "data.collate_fn": (False, "partial"),  # _partial_: called with a list of samples
+    "optim.schedule": (True, "schedule"),  # _partial_: called with steps_per_epoch= and total_steps=
 }
+SCHEDULE_ARGS = {"steps_per_epoch": 100, "total_steps": 1000}  # a plausible plan to try a schedule on
 
 
 def _get(cfg, dotted: str):
@@ -67,6 +71,12 @@ def check_target(key: str, node, problems: list[str], call: str = "call") -> Non
     except ImportError as error:
         problems.append(f"{key}._target_={node['_target_']} cannot be imported: {error}.")
         return
+    if call == "schedule" and isinstance(target, type) and issubclass(target, LRScheduler):
+        problems.append(f"{key}._target_={node['_target_']} is a torch scheduler, whose state is a count of steps "
+                        f"taken: a resumed run (at another world size or number of epochs) needs the lr as a function "
+                        f"of the step instead. Give a _target_ called with steps_per_epoch= and total_steps= that "
+                        f"returns factor(step) -> float (see train.optim.WarmupSchedule).")
+        return
     args = {k: v for k, v in node.items() if not k.startswith("_")}
     for name, value in args.items():  # nested targets are built first and passed in: check them too
         if isinstance(value, dict) and "_target_" in value:
@@ -90,6 +100,8 @@ def check_target(key: str, node, problems: list[str], call: str = "call") -> Non
     try:
         if call == "optimizer":
             signature.bind(None, **{"lr": 0.0, **args})
+        elif call == "schedule":
+            signature.bind(**{**SCHEDULE_ARGS, **args})
         elif call == "partial" or node.get("_partial_"):
             signature.bind_partial(**args)
         else:
@@ -97,6 +109,7 @@ def check_target(key: str, node, problems: list[str], call: str = "call") -> Non
     except TypeError as error:
         missing = [p.name for p in signature.parameters.values()
                    if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in args]
+        missing = [m for m in missing if call != "schedule" or m not in SCHEDULE_ARGS]
         if missing and call != "optimizer":
             problems.append(f"{key}: {node['_target_']} needs {', '.join(repr(m) for m in missing)}, which the config does "
                             f"not give: add {' '.join(f'{key}.{m}=...' for m in missing)} (or set it in your config file).")
@@ -104,9 +117,27 @@ def check_target(key: str, node, problems: list[str], call: str = "call") -> Non
             problems.append(f"{key}: the config's arguments do not fit {node['_target_']}{signature}: {error}.")
 
 
+def check_schedule(node, problems: list[str]) -> None:
+    """Build the lr schedule for a plausible plan and ask it for a few steps: a bad value is reported now."""
+    from hydra.utils import instantiate
+
+    try:
+        factor = instantiate(node, _convert_="all")(**SCHEDULE_ARGS)
+        values = [float(factor(step)) for step in (0, 1, SCHEDULE_ARGS["total_steps"] - 1)]
+    except (ValueError, TypeError, ArithmeticError) as error:
+        problems.append(f"optim.schedule: {error}")
+        return
+    if not all(v >= 0 for v in values):
+        problems.append(f"optim.schedule._target_={node['_target_']} gives negative lr factors ({values} at steps 0, 1 "
+                        f"and {SCHEDULE_ARGS['total_steps'] - 1} of {SCHEDULE_ARGS['total_steps']}): fix its arguments.")
+
+
 def check_targets(cfg, problems: list[str]) -> None:
     for key, (required, call) in TARGETS.items():
         node = _get(cfg, key)
         if node is None and not required:
             continue
+        before = len(problems)
         check_target(key, node, problems, call)
+        if call == "schedule" and len(problems) == before:
+            check_schedule(node, problems)

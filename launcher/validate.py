@@ -25,7 +25,6 @@ from launcher.targets import check_targets
 from train.data import DatasetMissing, prepare
 from train.dist import resolve_backend
 from train.models import pipeline_stages
-from train.optim import SCHEDULES
 from train.parallel import GRAD_COMPRESSIONS, MEMORY_FORMATS
 from train.strategies import PIPELINE_SCHEDULES, STRATEGIES
 
@@ -161,11 +160,9 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
     if unknown:
         problems.append(f"trainer.stop_signals={t.stop_signals}: {', '.join(unknown)} is not a signal name (e.g. SIGTERM, SIGUSR2).")
     _choice(problems, "trainer.progress", t.progress, PROGRESS_MODES)
-    _choice(problems, "optim.schedule.name", o.schedule.name, SCHEDULES)
     if o.lr <= 0:
         problems.append(f"optim.lr={o.lr} must be positive.")
     _at_least(problems, "optim.reference_batch_size", o.reference_batch_size, 1)
-    _at_least(problems, "optim.schedule.warmup_epochs", o.schedule.warmup_epochs, 0.0)
     _at_least(problems, "checkpoint.keep_last", cfg.checkpoint.keep_last, 1)
     _at_least(problems, "checkpoint.every_steps", cfg.checkpoint.every_steps, 0, "0 saves only after evaluations")
     if cfg.checkpoint.mode:

@@ -4,6 +4,8 @@ directory, which also holds a train.py, models.py and data.py. Real processes, g
 
 from __future__ import annotations
 
+import json
+import runpy
 import shutil
 import subprocess
 import sys
@@ -54,6 +56,13 @@ def test_a_users_model_trains_under_ddp_and_fsdp_with_the_data_parallel_identity
         torch.testing.assert_close(fsdp[name], ddp[name], **TOLERANCE, msg=f"fsdp: {name} differs from ddp")
     initial = read_metrics(tmp_path / "one")
     assert [r for r in initial if r["kind"] == "eval"][-1]["mse"] < 1.0  # it learned (the targets' variance is 1)
+    # The project's own lr schedule (schedules.linear_decay, called with this plan's lengths) set the lr.
+    plan = json.loads((tmp_path / "one" / "plan.json").read_text())
+    factor = runpy.run_path(str(project / "schedules.py"))["linear_decay"](
+        warmup_epochs=1, final=0.1, steps_per_epoch=plan["steps_per_epoch"], total_steps=plan["total_steps"])
+    logged = {r["step"]: r["lr"] for r in initial if r["kind"] == "train"}
+    assert logged and all(lr == pytest.approx(plan["lr"] * factor(step), rel=1e-9) for step, lr in logged.items())
+    assert len({round(lr, 12) for lr in logged.values()}) == len(logged)  # it moves
 
 
 def test_mse_at_world_size_3_equals_one_process_on_101_samples(tmp_path):
@@ -92,6 +101,8 @@ def test_resume_mid_epoch_with_loader_workers_and_augmentation_is_bitwise(projec
     ("~model.in_features", "model: models.ResidualMLP needs 'in_features', which the config does not give: add model.in_features=..."),
     ("task._target_=losses.Hubber", "task._target_=losses.Hubber cannot be imported: losses has no 'Hubber'; did you mean Huber?"),
     ("data.train._target_=datasets.Files", "data.train._target_=datasets.Files cannot be imported: no module 'datasets'"),
+    ("+optim.schedule.finl=0.2", "optim.schedule.finl: schedules.linear_decay has no argument 'finl' (did you mean optim.schedule.final?)"),
+    ("optim.schedule.final=2", "optim.schedule: optim.schedule.final=2 must lie in [0, 1] (a fraction of the peak lr)."),
 ])
 def test_a_bad_user_target_is_refused_before_any_worker_starts(project, tmp_path, override, message):
     proc = launch_in(project, *PLAIN, override, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)

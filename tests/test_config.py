@@ -115,6 +115,15 @@ def test_a_misspelt_model_argument_is_named_with_the_fix(tmp_path):
     assert "model.widht: train.models.cnn has no argument 'widht' (did you mean model.width?)" in message
 
 
+def test_a_bad_lr_schedule_is_refused_with_the_fix(tmp_path):
+    assert "optim.schedule: optim.schedule.name='linear' is not a schedule: pick one of cosine, step, constant." in \
+        problems("optim.schedule.name=linear", run_dir=tmp_path)
+    message = problems("optim.schedule._target_=torch.optim.lr_scheduler.CosineAnnealingLR", run_dir=tmp_path)
+    assert "is a torch scheduler" in message and "returns factor(step) -> float" in message
+    message = problems("~optim/schedule", run_dir=tmp_path)
+    assert "optim.schedule must be a node with a _target_" in message
+
+
 def test_missing_data_set_says_where_and_how(tmp_path):
     message = problems("+experiment=lenet", run_dir=tmp_path)
     assert "data.name=fashion_mnist" in message

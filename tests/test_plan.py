@@ -10,10 +10,13 @@ from train.config import TrainConfig
 from train.build import build_optimizer, parameter_groups
 from train.optim import build_scheduler, make_plan
 
+WARMUP = {"_target_": "train.optim.WarmupSchedule", "_partial_": True}  # conf/optim/schedule/warmup.yaml's target
+
 
 def config(**trainer) -> TrainConfig:
     cfg = TrainConfig()
     cfg.optim.optimizer = {"_target_": "torch.optim.SGD", "_partial_": True, "momentum": 0.9}
+    cfg.optim.schedule = dict(WARMUP)
     cfg.data.batch_size = 32
     cfg.trainer.epochs = 10
     for key, value in trainer.items():
@@ -34,10 +37,11 @@ def test_global_batch_and_linear_lr_scaling():
 
 def test_warmup_and_schedule_are_in_epochs_whatever_the_world_size():
     cfg = config()
-    cfg.optim.schedule.warmup_epochs = 2
+    cfg.optim.schedule["warmup_epochs"] = 2
     small, large = make_plan(cfg, 1, 6400), make_plan(cfg, 4, 6400)
     assert (small.steps_per_epoch, large.steps_per_epoch) == (200, 50)
-    assert (small.warmup_steps, large.warmup_steps) == (400, 100)
+    warmups = [build_scheduler(torch.optim.SGD([torch.zeros(1)]), cfg.optim.schedule, p).lr_lambdas[0].warmup for p in (small, large)]
+    assert warmups == [400, 100]
     assert (small.total_steps, large.total_steps) == (2000, 500)
 
     def lr_at_epoch(plan, epoch):
@@ -56,7 +60,7 @@ def test_warmup_and_schedule_are_in_epochs_whatever_the_world_size():
 
 def test_step_schedule_drops_at_milestones():
     cfg = config()
-    cfg.optim.schedule.name, cfg.optim.schedule.milestones, cfg.optim.schedule.gamma = "step", [3.0, 6.0], 0.1
+    cfg.optim.schedule.update(name="step", milestones=[3.0, 6.0], gamma=0.1)
     plan = make_plan(cfg, 2, 640)
     factor = build_scheduler(build_optimizer(cfg.optim, torch.nn.Linear(2, 2), 1.0), cfg.optim.schedule, plan).lr_lambdas[0]
     spe = plan.steps_per_epoch

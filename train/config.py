@@ -50,15 +50,6 @@ class DataConfig:
 
 
 @dataclass
-class ScheduleConfig:
-    name: str = "cosine"  # cosine | step | constant, applied after the warmup
-    warmup_epochs: float = 0.0  # linear warmup from ~0 to the peak lr, in epochs (independent of world size)
-    min_lr_ratio: float = 0.0  # cosine: final lr as a fraction of the peak lr
-    milestones: list[float] = field(default_factory=lambda: [30.0, 60.0, 90.0])  # step: epochs where lr drops
-    gamma: float = 0.1  # step: factor applied at each milestone
-
-
-@dataclass
 class OptimConfig:
     # The optimizer: a _target_ with _partial_: true, called with the parameter groups and the lr, e.g.
     # {_target_: torch.optim.AdamW, _partial_: true, betas: [0.9, 0.95]}. conf/optim/*.yaml fill it.
@@ -71,7 +62,9 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw: moment decay rates
     scale_lr: bool = False  # linear scaling rule: lr x global_batch / reference_batch_size (Goyal et al. 2017)
     reference_batch_size: int = 256  # the global batch at which `lr` is the right lr
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    # The lr schedule: a _target_ with _partial_: true, called with steps_per_epoch= and total_steps=, that returns
+    # the lr factor at an optimizer step (conf/optim/schedule/warmup.yaml: train.optim.WarmupSchedule).
+    schedule: Any = None
 
 
 @dataclass

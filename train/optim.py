@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from train.config import OptimConfig, ScheduleConfig, TrainConfig
+from train.config import OptimConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,6 @@ class Plan:
     steps_per_epoch: int  # optimizer steps per epoch
     total_steps: int  # length of the lr schedule: epochs x steps_per_epoch
     stop_step: int  # this run stops here (trainer.max_steps, else total_steps)
-    warmup_steps: int
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,23 +62,31 @@ def make_plan(cfg: TrainConfig, world_size: int, train_size: int) -> Plan:
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
         stop_step=stop,
-        warmup_steps=round(cfg.optim.schedule.warmup_epochs * steps_per_epoch),
     )
 
 
-class LrFactor:
-    """lr multiplier at a given optimizer step: linear warmup, then cosine, step or constant.
+class WarmupSchedule:
+    """The built-in lr schedule: linear warmup, then cosine, step or constant; lengths in epochs.
 
-    A plain object with only numbers as attributes, so LambdaLR's state_dict stays weights_only-loadable.
+    An lr schedule is any `_target_` (optim.schedule, `_partial_: true`) called with the plan's `steps_per_epoch`
+    and `total_steps` and returning the lr factor at an optimizer step, `factor(step) -> float`. A pure function
+    of the step, so a resumed run recomputes it from its own plan (another world size or number of epochs) instead
+    of loading a scheduler's state. This object holds only numbers: LambdaLR's state stays weights_only-loadable.
     """
 
-    def __init__(self, cfg: ScheduleConfig, plan: Plan):
-        self.name = cfg.name
-        self.warmup = plan.warmup_steps
-        self.total = plan.total_steps
-        self.min_ratio = cfg.min_lr_ratio
-        self.milestones = [round(m * plan.steps_per_epoch) for m in cfg.milestones]
-        self.gamma = cfg.gamma
+    def __init__(self, name: str = "cosine", warmup_epochs: float = 0.0, min_lr_ratio: float = 0.0,
+                 milestones: list[float] = (30.0, 60.0, 90.0), gamma: float = 0.1, *, steps_per_epoch: int,
+                 total_steps: int):
+        if name not in SCHEDULES:
+            raise ValueError(f"optim.schedule.name={name!r} is not a schedule: pick one of {', '.join(SCHEDULES)}.")
+        if warmup_epochs < 0:
+            raise ValueError(f"optim.schedule.warmup_epochs={warmup_epochs} must be at least 0.")
+        self.name = name
+        self.warmup = round(warmup_epochs * steps_per_epoch)
+        self.total = total_steps
+        self.min_ratio = min_lr_ratio
+        self.milestones = [round(m * steps_per_epoch) for m in milestones]
+        self.gamma = gamma
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
@@ -91,9 +98,23 @@ class LrFactor:
             return self.gamma ** sum(step >= m for m in self.milestones)
         return 1.0
 
+    def __repr__(self) -> str:
+        return f"{self.name} after {self.warmup} warmup steps"
+
 
 SCHEDULES = ("cosine", "step", "constant")
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, plan: Plan):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, LrFactor(cfg, plan))
+def build_schedule(node, plan: Plan):
+    """The lr factor function the config's optim.schedule target makes for this plan."""
+    from train.build import instantiate
+
+    factor = instantiate(node)(steps_per_epoch=plan.steps_per_epoch, total_steps=plan.total_steps)
+    if not callable(factor):
+        raise TypeError(f"optim.schedule._target_={node['_target_']} returned a {type(factor).__name__}, not a "
+                        f"function of the step.")
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, node, plan: Plan):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, build_schedule(node, plan))

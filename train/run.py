@@ -176,12 +176,17 @@ def save_checkpoint(run: Run, is_best: bool = False) -> None:
         run.ckpt.mark_best(step)
 
 
+def describe_schedule(scheduler) -> str:
+    factor = scheduler.lr_lambdas[0]
+    return repr(factor) if type(factor).__repr__ is not object.__repr__ else getattr(factor, "__qualname__", type(factor).__name__)
+
+
 def describe_plan(run: Run) -> str:
     cfg, plan = run.cfg, run.plan
     text = (
         f"plan: {plan.world_size} processes ({cfg.trainer.strategy}), global batch {plan.global_batch} "
         f"({cfg.data.batch_size} x {plan.replicas} replicas x {cfg.trainer.accumulate} accumulation), lr {plan.lr:.4g}, "
-        f"warmup {plan.warmup_steps} steps, {plan.steps_per_epoch} steps/epoch x {cfg.trainer.epochs} epochs = "
+        f"lr schedule: {describe_schedule(run.scheduler)}, {plan.steps_per_epoch} steps/epoch x {cfg.trainer.epochs} epochs = "
         f"{plan.total_steps} steps"
     )
     if plan.stop_step < plan.total_steps:

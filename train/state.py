@@ -88,7 +88,7 @@ def build_state(
         "strategy": strategy.name,
         "model": strategy.model_state(),  # the whole model, plain: loads into build_model() on one device
         "optimizer": strategy.optimizer_state(optimizer),
-        "scheduler": scheduler.state_dict(),
+        "scheduler": {"last_epoch": scheduler.last_epoch, "last_lr": scheduler.get_last_lr()},  # recomputed on resume
         "scaler": scaler.state_dict(),
         "step": progress.step,
         "epoch": epoch,
