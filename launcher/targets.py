@@ -12,18 +12,20 @@ import sys
 from difflib import get_close_matches
 
 from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import IterableDataset
 
 # key -> (required, how the trainer calls it beyond the config's arguments)
 TARGETS = {
     "model": (True, "call"),
     "task": (True, "call"),
-    "data.train": (True, "call"),
-    "data.eval": (True, "call"),
+    "data.train": (True, "data"),  # rank= and world_size= too, when it takes them
+    "data.eval": (True, "data"),
     "optim.optimizer": (True, "optimizer"),  # _partial_: called with the parameter groups and lr=...
     "data.collate_fn": (False, "partial"),  # _partial_: called with a list of samples
     "optim.schedule": (True, "schedule"),  # _partial_: called with steps_per_epoch= and total_steps=
 }
 SCHEDULE_ARGS = {"steps_per_epoch": 100, "total_steps": 1000}  # a plausible plan to try a schedule on
+PASSED = {"schedule": SCHEDULE_ARGS, "data": {"rank": 0, "world_size": 1}}  # what the trainer adds to the config's
 
 
 def _get(cfg, dotted: str):
@@ -77,6 +79,9 @@ def check_target(key: str, node, problems: list[str], call: str = "call") -> Non
                         f"of the step instead. Give a _target_ called with steps_per_epoch= and total_steps= that "
                         f"returns factor(step) -> float (see train.optim.WarmupSchedule).")
         return
+    if call == "data" and isinstance(target, type) and issubclass(target, IterableDataset) and not hasattr(target, "__len__"):
+        problems.append(f"{key}._target_={node['_target_']} is an IterableDataset without __len__: define __len__ as "
+                        f"the number of samples in one epoch, all ranks together (it sets the steps per epoch).")
     args = {k: v for k, v in node.items() if not k.startswith("_")}
     for name, value in args.items():  # nested targets are built first and passed in: check them too
         if isinstance(value, dict) and "_target_" in value:
@@ -100,8 +105,9 @@ def check_target(key: str, node, problems: list[str], call: str = "call") -> Non
     try:
         if call == "optimizer":
             signature.bind(None, **{"lr": 0.0, **args})
-        elif call == "schedule":
-            signature.bind(**{**SCHEDULE_ARGS, **args})
+        elif call in PASSED:
+            passed = {k: v for k, v in PASSED[call].items() if k in accepted or takes_any}
+            signature.bind(**{**passed, **args})
         elif call == "partial" or node.get("_partial_"):
             signature.bind_partial(**args)
         else:
@@ -109,7 +115,7 @@ def check_target(key: str, node, problems: list[str], call: str = "call") -> Non
     except TypeError as error:
         missing = [p.name for p in signature.parameters.values()
                    if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in args]
-        missing = [m for m in missing if call != "schedule" or m not in SCHEDULE_ARGS]
+        missing = [m for m in missing if m not in PASSED.get(call, {})]
         if missing and call != "optimizer":
             problems.append(f"{key}: {node['_target_']} needs {', '.join(repr(m) for m in missing)}, which the config does "
                             f"not give: add {' '.join(f'{key}.{m}=...' for m in missing)} (or set it in your config file).")

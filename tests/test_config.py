@@ -124,6 +124,11 @@ def test_a_bad_lr_schedule_is_refused_with_the_fix(tmp_path):
     assert "optim.schedule must be a node with a _target_" in message
 
 
+def test_an_iterable_data_set_without_a_length_is_refused(tmp_path):
+    message = problems("data.train._target_=torch.utils.data.IterableDataset", run_dir=tmp_path)
+    assert "data.train._target_=torch.utils.data.IterableDataset is an IterableDataset without __len__: define __len__" in message
+
+
 def test_missing_data_set_says_where_and_how(tmp_path):
     message = problems("+experiment=lenet", run_dir=tmp_path)
     assert "data.name=fashion_mnist" in message

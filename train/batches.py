@@ -65,7 +65,18 @@ def augment(images: torch.Tensor, indices: torch.Tensor, seed: int, epoch: int, 
     return crops.clone(memory_format=torch.contiguous_format)
 
 
-class TrainBatches:
+class PositionFromStep:
+    """A batch source whose position follows from the step alone (its order is a function of seed, epoch and
+    index): nothing of its own goes into a checkpoint. Streams (train.streams) have a state instead."""
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: None) -> None:
+        pass
+
+
+class TrainBatches(PositionFromStep):
     """One rank's training batches for any epoch, from any position within it (for exact resume)."""
 
     def __init__(

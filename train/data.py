@@ -11,6 +11,7 @@ file formats) and are normalised per batch.
 from __future__ import annotations
 
 import gzip
+import inspect
 import pickle
 import struct
 from dataclasses import dataclass, field
@@ -307,8 +308,14 @@ def cifar10(split: str, root: str = "data", image_size: int = 0) -> TensorData:
     return _pick(_load_cifar10(_config(name="cifar10", root=root)), split, image_size)
 
 
-def build_datasets(cfg: DataConfig) -> Datasets:
-    """Instantiate data.train and data.eval (from the resolved snapshot)."""
-    from hydra.utils import instantiate
+def build_datasets(cfg: DataConfig, rank: int = 0, world_size: int = 1) -> Datasets:
+    """Instantiate data.train and data.eval (from the resolved snapshot). A target that takes `rank` and
+    `world_size` (an iterable data set that reads its own share) gets the data-parallel ones."""
+    from hydra.utils import get_object, instantiate
 
-    return Datasets(instantiate(cfg.train), instantiate(cfg.eval))
+    def build(node):
+        parameters = inspect.signature(get_object(node["_target_"])).parameters
+        given = {"rank": rank, "world_size": world_size}
+        return instantiate(node, **{k: v for k, v in given.items() if k in parameters})
+
+    return Datasets(build(cfg.train), build(cfg.eval))

@@ -12,6 +12,7 @@ stopped and resumed mid-epoch is bitwise the straight one.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Iterator
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
-from train.batches import _mix_int, eval_share, to_device
+from train.batches import PositionFromStep, _mix_int, eval_share, to_device
 from train.config import DataConfig
 
 
@@ -35,17 +36,32 @@ class SeededSamples(Dataset):
 
     def __getitem__(self, key):
         epoch, index = key
-        seed = _mix_int(_mix_int(self.seed * 1_000_003 + epoch) + index)
-        python, generator = random.getstate(), np.random.get_state()
-        with torch.random.fork_rng(devices=[]):  # in the main process (num_workers=0), its own streams stay as they were
-            torch.manual_seed(seed)
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
-            try:
-                return self.dataset[index]
-            finally:
-                random.setstate(python)
-                np.random.set_state(generator)
+        with seeded(sample_seed(self.seed, epoch, index)):
+            return self.dataset[index]
+
+
+def sample_seed(seed: int, epoch: int, *keys: int) -> int:
+    """A seed from (seed, epoch, keys...): the in-memory path's augmentation hash (train.batches), extended."""
+    seed = _mix_int(seed * 1_000_003 + epoch)
+    for key in keys:
+        seed = _mix_int(seed + key)
+    return seed
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """torch, random and numpy's global generators seeded with `seed` inside, put back as they were after (in the
+    main process, with num_workers=0, the training's own streams must not move)."""
+    python, generator = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(generator)
 
 
 class EpochSampler(Sampler):
@@ -66,17 +82,20 @@ class EpochSampler(Sampler):
         return iter([(self.epoch, i) for i in indices])
 
 
-def _loader_options(cfg: DataConfig, device: torch.device) -> dict:
+def loader_options(cfg: DataConfig, device: torch.device) -> dict:
     from hydra.utils import instantiate
 
     options = {"num_workers": cfg.num_workers, "pin_memory": cfg.pin_memory and device.type == "cuda",
-               "collate_fn": instantiate(cfg.collate_fn) if cfg.collate_fn else None}
+               "collate_fn": instantiate(cfg.collate_fn) if cfg.collate_fn else None,
+               # The workers' base seed from a generator of its own: drawn from the global one, it would move the
+               # training's random stream at every epoch start (and differently in a run resumed mid-epoch).
+               "generator": torch.Generator().manual_seed(0)}
     if cfg.num_workers > 0:
         options.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
     return options
 
 
-class LoaderBatches:
+class LoaderBatches(PositionFromStep):
     """One rank's training batches from a map-style data set, for any epoch, from any batch within it."""
 
     def __init__(self, dataset: Dataset, cfg: DataConfig, rank: int, replicas: int, seed: int, device: torch.device,
@@ -85,7 +104,7 @@ class LoaderBatches:
         self.batches_per_epoch = self.sampler.batches
         self.device, self.memory_format = device, memory_format
         self.loader = DataLoader(SeededSamples(dataset, seed), batch_size=cfg.batch_size, sampler=self.sampler,
-                                 drop_last=True, **_loader_options(cfg, device))
+                                 drop_last=True, **loader_options(cfg, device))
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator:
         self.sampler.epoch, self.sampler.start = epoch, start
@@ -99,6 +118,6 @@ def loader_eval_batches(dataset: Dataset, cfg: DataConfig, rank: int, replicas: 
     with `lockstep`, then (batch, False) repeats up to the largest rank's batch count (their sums are ignored)."""
     real = rank < len(dataset)  # a rank without a sample of its own runs sample 0, uncounted
     mine = list(range(rank, len(dataset), replicas)) if real else [0]
-    loader = DataLoader(Subset(dataset, mine), batch_size=cfg.eval_batch_size, shuffle=False, **_loader_options(cfg, device))
+    loader = DataLoader(Subset(dataset, mine), batch_size=cfg.eval_batch_size, shuffle=False, **loader_options(cfg, device))
     batches = (to_device(batch, device) for batch in loader)
     return eval_share(batches, real, len(dataset), replicas, cfg.eval_batch_size, lockstep)

@@ -37,6 +37,20 @@ def replicas(cfg: TrainConfig, world_size: int) -> int:
     return 1 if cfg.trainer.strategy == "pipeline" else world_size
 
 
+def replica_rank(cfg: TrainConfig, env) -> int:
+    """Which share of the samples this process reads (a pipeline's stages all read the one share)."""
+    return 0 if cfg.trainer.strategy == "pipeline" else env.rank
+
+
+def train_size(dataset, cfg: TrainConfig) -> int:
+    try:
+        return len(dataset)
+    except TypeError:
+        raise TypeError(f"data.train ({cfg.data.train['_target_']}) has no __len__: an iterable data set must say "
+                        f"how many samples one epoch has (all ranks together), which sets the steps per epoch; "
+                        f"define __len__ on it.") from None
+
+
 def global_batch_size(cfg: TrainConfig, world_size: int) -> int:
     return cfg.data.batch_size * replicas(cfg, world_size) * cfg.trainer.accumulate
 

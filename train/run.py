@@ -12,10 +12,12 @@ import json
 import logging
 import os
 import socket
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.utils.data import IterableDataset
 
 from train import dist as distributed
 from train.batches import TrainBatches, eval_batches, stage
@@ -33,10 +35,11 @@ from train.dist import DistEnv
 from train.evaluate import evaluate
 from train.metrics import build_metrics
 from train.loader import LoaderBatches, loader_eval_batches
-from train.optim import Plan, build_scheduler, make_plan
+from train.optim import Plan, build_scheduler, make_plan, replica_rank, replicas, train_size
+from train.streams import StreamBatches, stream_eval_batches
 from train.parallel import Strategy, memory_format, place
 from train.strategies import build_strategy
-from train.state import Progress, build_state, gather_rng, restore_state, seed_rank
+from train.state import Progress, build_state, gather, gather_rng, restore_state, seed_rank
 from train.status import write_status
 from train.step import ForwardClock, Meter, build_autocast, train_step
 from train.stopping import StopRequest
@@ -105,6 +108,7 @@ class Run:
     resumed: bool
     control: torch.distributed.ProcessGroup  # gloo, no collective timeout: waits on another rank's I/O
     watchdog: Watchdog
+    batches: object  # this rank's training batches (train_source)
 
 
 def resume_state(ckpt: CheckpointManager, env: DistEnv, control, watchdog: Watchdog) -> dict | None:
@@ -133,8 +137,8 @@ def resume_state(ckpt: CheckpointManager, env: DistEnv, control, watchdog: Watch
 
 
 def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, control, watchdog: Watchdog) -> Run:
-    data = stage(build_datasets(cfg.data), device)
-    plan = make_plan(cfg, env.world_size, len(data.train))
+    data = stage(build_datasets(cfg.data, replica_rank(cfg, env), replicas(cfg, env.world_size)), device)
+    plan = make_plan(cfg, env.world_size, train_size(data.train, cfg))
     task = build_task(cfg)
     torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank
     model = build_model(cfg)
@@ -153,10 +157,14 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
                      config=to_dict(cfg))
         progress = restore_state(state, **parts)
         ckpt.saved_step = progress.step
+    batches = train_source(cfg, data.train, strategy, plan, device, fmt)
+    if state is not None and state.get("data") and state["world_size"] == plan.world_size \
+            and state["global_batch"] == plan.global_batch:
+        batches.load_state_dict(state["data"][env.rank])
     return Run(
         cfg, run_dir, env, device, data, task, plan, strategy, fmt, optimizer, scheduler, scaler,
         build_autocast(cfg.trainer.precision, device), ckpt, progress, resumed=state is not None, control=control,
-        watchdog=watchdog,
+        watchdog=watchdog, batches=batches,
     )
 
 
@@ -167,7 +175,8 @@ def save_checkpoint(run: Run, is_best: bool = False) -> None:
     if run.ckpt.saved_step != step:
         state = build_state(
             strategy=run.strategy, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
-            progress=run.progress, plan=run.plan, rng=gather_rng(run.env), config=to_dict(run.cfg),
+            progress=run.progress, plan=run.plan, rng=gather_rng(run.env), data=gather(run.env, run.batches.state_dict()),
+            config=to_dict(run.cfg),
         )
         run.ckpt.save(state, step, progress=lambda: run.watchdog.beat(step, "writing a checkpoint"))
         with run.watchdog.paused("waiting for rank 0 to write the checkpoint"):
@@ -176,9 +185,10 @@ def save_checkpoint(run: Run, is_best: bool = False) -> None:
         run.ckpt.mark_best(step)
 
 
-def describe_schedule(scheduler) -> str:
-    factor = scheduler.lr_lambdas[0]
-    return repr(factor) if type(factor).__repr__ is not object.__repr__ else getattr(factor, "__qualname__", type(factor).__name__)
+def describe_schedule(run: Run) -> str:
+    factor = run.scheduler.lr_lambdas[0]
+    own_repr = not isinstance(factor, types.FunctionType) and type(factor).__repr__ is not object.__repr__
+    return repr(factor) if own_repr else str(run.cfg.optim.schedule["_target_"])
 
 
 def describe_plan(run: Run) -> str:
@@ -186,7 +196,7 @@ def describe_plan(run: Run) -> str:
     text = (
         f"plan: {plan.world_size} processes ({cfg.trainer.strategy}), global batch {plan.global_batch} "
         f"({cfg.data.batch_size} x {plan.replicas} replicas x {cfg.trainer.accumulate} accumulation), lr {plan.lr:.4g}, "
-        f"lr schedule: {describe_schedule(run.scheduler)}, {plan.steps_per_epoch} steps/epoch x {cfg.trainer.epochs} epochs = "
+        f"lr schedule: {describe_schedule(run)}, {plan.steps_per_epoch} steps/epoch x {cfg.trainer.epochs} epochs = "
         f"{plan.total_steps} steps"
     )
     if plan.stop_step < plan.total_steps:
@@ -222,20 +232,23 @@ def evaluation_due(run: Run) -> bool:
     return step >= plan.stop_step or (epoch_end and every > 0 and (step // plan.steps_per_epoch) % every == 0)
 
 
-def train_source(run: Run):
-    """This rank's training batches: whole batches indexed in memory, or a DataLoader over a map-style data set."""
-    cfg = run.cfg
-    rank, replicas = run.strategy.replica_rank, run.strategy.replicas
-    if isinstance(run.data.train, TensorData):
-        return TrainBatches(run.data.train, cfg.data.batch_size, rank, replicas, cfg.trainer.seed, cfg.data.augment,
-                            run.device, run.memory_format)
-    return LoaderBatches(run.data.train, cfg.data, rank, replicas, cfg.trainer.seed, run.device, run.memory_format)
+def train_source(cfg: TrainConfig, dataset, strategy: Strategy, plan: Plan, device: torch.device, fmt):
+    """This rank's training batches: whole batches indexed in memory, a DataLoader over a map-style data set, or a
+    StatefulDataLoader over an iterable one."""
+    rank, replicas, seed = strategy.replica_rank, strategy.replicas, cfg.trainer.seed
+    if isinstance(dataset, TensorData):
+        return TrainBatches(dataset, cfg.data.batch_size, rank, replicas, seed, cfg.data.augment, device, fmt)
+    if isinstance(dataset, IterableDataset):
+        return StreamBatches(dataset, cfg.data, rank, seed, plan.steps_per_epoch * cfg.trainer.accumulate, device, fmt)
+    return LoaderBatches(dataset, cfg.data, rank, replicas, seed, device, fmt)
 
 
 def eval_source(run: Run):
     rank, replicas, lockstep = run.strategy.replica_rank, run.strategy.replicas, run.strategy.lockstep_eval
     if isinstance(run.data.eval, TensorData):
         return eval_batches(run.data.eval, run.cfg.data.eval_batch_size, rank, replicas, run.device, lockstep)
+    if isinstance(run.data.eval, IterableDataset):
+        return stream_eval_batches(run.data.eval, run.cfg.data, run.device, lockstep)
     return loader_eval_batches(run.data.eval, run.cfg.data, rank, replicas, run.device, lockstep)
 
 
@@ -276,7 +289,7 @@ def fit(run: Run) -> Outcome:
         (run.run_dir / PLAN_FILE).write_text(json.dumps(record, indent=2) + "\n")
     console.print(describe_plan(run))
     stop = StopRequest(cfg.trainer.stop_signals, cfg.trainer.stop_check_every, run.control)
-    batches = train_source(run)
+    batches = run.batches
     # Not under compile: recording events inside the compiled forward would split its graph.
     forward = None if cfg.trainer.compile else ForwardClock(run.strategy.model, run.device)
     meter = Meter(run.device, forward)

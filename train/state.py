@@ -62,9 +62,14 @@ def restore_rng(state: dict) -> None:
 
 def gather_rng(env: DistEnv) -> list[dict]:
     """Every rank's RNG state, in rank order (collective)."""
-    states: list = [None] * env.world_size
-    dist.all_gather_object(states, capture_rng())
-    return [_to_cpu(s) for s in states]
+    return [_to_cpu(s) for s in gather(env, capture_rng())]
+
+
+def gather(env: DistEnv, mine) -> list:
+    """Every rank's `mine`, in rank order (collective)."""
+    values: list = [None] * env.world_size
+    dist.all_gather_object(values, mine)
+    return values
 
 
 def _to_cpu(state: dict) -> dict:
@@ -80,6 +85,7 @@ def build_state(
     progress: Progress,
     plan: Plan,
     rng: list[dict],
+    data: list,
     config: dict,
 ) -> dict:
     epoch, step_in_epoch = divmod(progress.step, plan.steps_per_epoch)
@@ -100,6 +106,7 @@ def build_state(
         "world_size": plan.world_size,
         "global_batch": plan.global_batch,
         "rng": rng,
+        "data": data,  # each rank's position in its data stream (None where the step says it all)
         "config": config,
     }
 

@@ -1,0 +1,159 @@
+"""Iterable data sets (streams) served by torchdata's StatefulDataLoader, with each rank's position in the checkpoint.
+
+The contract with a user's `torch.utils.data.IterableDataset` (data.train / data.eval):
+- it yields this rank's samples: the trainer passes `rank=` and `world_size=` (the data-parallel ones) to its
+  constructor when it takes them, and a data set read by several loader workers splits itself between them with
+  `torch.utils.data.get_worker_info()`, as for any DataLoader;
+- `__len__` is the number of samples in one epoch, all ranks together (it sets the plan's steps per epoch); each
+  rank's iteration must yield at least its share;
+- `set_epoch(epoch)`, if defined, is called before each epoch (workers are started afresh each epoch, so they see it);
+- `state_dict()` / `load_state_dict()`, if defined (torchdata's Stateful protocol), save and restore its position:
+  a resumed run continues where it stopped without reading the samples before. Without them, the stream is
+  fast-forwarded by reading and dropping the samples already seen (exact, but it costs their reading time).
+
+Randomness: each sample is produced with torch, random and numpy seeded from (seed, epoch, rank, worker, position
+in the worker's stream), so augmentation does not depend on when the run was stopped and resumed: a run resumed
+mid-epoch is bitwise the straight one.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from train.batches import to_device
+from train.config import DataConfig
+from train.loader import loader_options, sample_seed, seeded
+
+log = logging.getLogger(__name__)
+# torchdata 0.11 calls a torch function deprecated since (once per loader): not ours to fix, and noise in every log.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+
+
+def is_stateful(dataset) -> bool:
+    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+
+
+class SeededStream(IterableDataset):
+    """Wraps a user's iterable data set: seeds each sample, counts the position, saves and restores it."""
+
+    def __init__(self, dataset: IterableDataset, seed: int, rank: int):
+        self.dataset, self.seed, self.rank = dataset, seed, rank
+        self.epoch = 0
+        self.position = 0  # samples this worker has yielded in this epoch
+        self._resume: dict | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if callable(getattr(self.dataset, "set_epoch", None)):
+            self.dataset.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "dataset": self.dataset.state_dict() if is_stateful(self.dataset) else None}
+
+    def load_state_dict(self, state: dict) -> None:  # called before __iter__, in the worker that continues
+        self._resume = state
+
+    def __iter__(self) -> Iterator:
+        worker = get_worker_info()
+        worker_id = worker.id if worker is not None else 0
+        resume, self._resume = self._resume, None
+        self.position = 0
+        skip = 0
+        if resume is not None:
+            if resume["dataset"] is not None:
+                self.dataset.load_state_dict(resume["dataset"])
+                self.position = resume["position"]
+            else:
+                skip = resume["position"]
+        samples = iter(self.dataset)
+        while True:
+            with seeded(sample_seed(self.seed, self.epoch, self.rank, worker_id, self.position)):
+                try:
+                    sample = next(samples)
+                except StopIteration:
+                    return
+            self.position += 1
+            if self.position > skip:
+                yield sample
+
+
+class StreamBatches:
+    """One rank's training batches from an iterable data set, for any epoch, from any batch of it."""
+
+    def __init__(self, dataset: IterableDataset, cfg: DataConfig, rank: int, seed: int, batches_per_epoch: int,
+                 device: torch.device, memory_format: torch.memory_format = torch.contiguous_format):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        self.stream = SeededStream(dataset, seed, rank)
+        self.batches_per_epoch = batches_per_epoch
+        self.device, self.memory_format = device, memory_format
+        # Workers start afresh each epoch (not persistent): they get the epoch set on the stream.
+        options = {**loader_options(cfg, device), "persistent_workers": False}
+        self.loader = StatefulDataLoader(self.stream, batch_size=cfg.batch_size, drop_last=True, **options)
+        self.position = (0, 0)  # (epoch, batches taken in it)
+        self.saved: dict | None = None  # the checkpoint's state for this rank, used by the epoch it names
+
+    def state_dict(self) -> dict:
+        epoch, taken = self.position
+        return {"epoch": epoch, "batches": taken, "loader": self.loader.state_dict() if 0 < taken < self.batches_per_epoch else None}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.saved = state
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator:
+        self.stream.set_epoch(epoch)
+        saved, self.saved = self.saved, None
+        skip = 0
+        if start > 0:
+            if saved is not None and (saved["epoch"], saved["batches"]) == (epoch, start) and saved["loader"] is not None:
+                self.loader.load_state_dict(saved["loader"])
+            else:
+                log.warning("no saved stream position for batch %d of epoch %d on this rank (a resume at another world "
+                            "size or global batch): reading and dropping the epoch's first %d batches", start, epoch, start)
+                skip = start
+        self.position = (epoch, start)
+        taken = start - skip
+        for batch in self.loader:
+            taken += 1
+            if taken <= start:
+                continue
+            self.position = (epoch, taken)
+            yield to_device(batch, self.device, self.memory_format)
+            if taken == self.batches_per_epoch:
+                return
+        raise RuntimeError(
+            f"data.train yielded {taken} batches of {self.loader.batch_size} on rank {self.stream.rank} in epoch {epoch}, "
+            f"fewer than the {self.batches_per_epoch} its __len__ promises: make each rank's iteration yield at least "
+            f"len(dataset) / world_size samples per epoch (or make __len__ smaller)."
+        )
+
+
+def stream_eval_batches(dataset: IterableDataset, cfg: DataConfig, device: torch.device,
+                        lockstep: bool) -> Iterator[tuple[object, bool]]:
+    """This rank's evaluation batches of an iterable data set, as (batch, True). With `lockstep` (forwards that hold
+    collectives), the ranks agree before each batch whether any still has one; a rank that has run out repeats its
+    last batch, uncounted. The stream must give every rank at least one batch."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    options = {**loader_options(cfg, device), "persistent_workers": False}
+    batches = (to_device(b, device) for b in StatefulDataLoader(dataset, batch_size=cfg.eval_batch_size, **options))
+    if not lockstep:
+        yield from ((batch, True) for batch in batches)
+        return
+    last = None
+    while True:
+        batch = next(batches, None)
+        more = torch.tensor([int(batch is not None)], device=device)
+        torch.distributed.all_reduce(more, op=torch.distributed.ReduceOp.MAX)
+        if not more.item():
+            return
+        if batch is None and last is None:
+            raise RuntimeError("data.eval gave this rank no batch while others have some: under fsdp every rank "
+                               "must get at least one evaluation batch (fewer ranks, or a smaller data.eval_batch_size).")
+        last = batch if batch is not None else last
+        yield last, batch is not None
