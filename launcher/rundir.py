@@ -31,6 +31,7 @@ NOT_IN_RUN_NAME = (
     "data.download",
     "trainer.max_steps",
     "trainer.progress",
+    "trainer.peak_tflops",
     "trainer.log_every",
     "trainer.timeout_s",
     "trainer.threads",

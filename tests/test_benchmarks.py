@@ -46,3 +46,15 @@ def test_scaling_report_sweeps_the_world_size_and_plots_it(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     height, width, _ = matplotlib.image.imread(png).shape
     assert (width, height) == (1000, 750)  # the 2 x 2 panels at 100 dpi
+
+
+def test_data_path_benchmark_measures_each_path_from_its_own_metrics(tmp_path):
+    out = tmp_path / "data.json"
+    proc = run_cli("benchmarks.data_paths", "--smoke", "--workers", "0,2", "--out", str(out), cwd=REPO, timeout=600)
+    assert proc.returncode == 0
+    report = json.loads(out.read_text())
+    assert set(report["image_folder"]) == {"0", "2"}
+    for figures in [*report["memory"], *report["loader"], *report["image_folder"].values()]:
+        assert figures["samples_per_s"] > 0 and 0 <= figures["data_wait_share"] <= 1
+    assert report["median_loader"]["samples_per_s"] == report["loader"][0]["samples_per_s"]  # one repetition
+    assert f"{report['median_memory']['samples_per_s']:9.1f}" in proc.stdout  # the printed table shows the figures

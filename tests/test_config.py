@@ -18,7 +18,7 @@ EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
 def test_the_presets_the_issue_names_exist():
-    assert {"digits", "lenet", "resnet18"} <= set(EXPERIMENTS)
+    assert {"digits", "lenet", "resnet18", "gpt_tiny", "gpt2_124m"} <= set(EXPERIMENTS)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -26,7 +26,7 @@ def test_every_experiment_composes_into_the_typed_schema(experiment):
     cfg = typed(f"+experiment={experiment}")
     assert isinstance(cfg, Config)
     assert cfg.name == experiment
-    assert cfg.model["_target_"].startswith("train.models.") and cfg.task["_target_"].startswith("train.tasks.")
+    assert cfg.model["_target_"].startswith(("train.models.", "train.gpt.")) and cfg.task["_target_"].startswith("train.tasks.")
 
 
 def test_presets_pick_their_model_and_data():

@@ -4,9 +4,11 @@ signature before any process started (launcher/targets.py)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from train.config import OptimConfig, TrainConfig
@@ -51,3 +53,17 @@ def parameter_groups(cfg: OptimConfig, model: nn.Module) -> list[dict]:
 def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     """optim.optimizer is a _partial_ target: called here with the parameter groups and the plan's lr."""
     return instantiate(cfg.optimizer)(parameter_groups(cfg, model), lr=lr)
+
+
+def checkpoint_blocks(model: nn.Module) -> None:
+    """trainer.activation_checkpointing: each block (train.models.blocks) keeps only its input for the backward
+    and recomputes its activations there (torch.utils.checkpoint, non-reentrant: the same random numbers, so the
+    same loss and gradients). Wrapped in place, before any strategy: parameter names and checkpoints unchanged."""
+    from train.models import blocks
+
+    for block in blocks(model):
+        block.forward = functools.partial(_recomputed, block.forward)
+
+
+def _recomputed(forward, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)

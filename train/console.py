@@ -23,6 +23,12 @@ def _format(values: dict[str, float]) -> str:
             parts.append(f"lr {value:.3g}")
         elif key == "samples_per_s":
             parts.append(f"{value:,.0f} samples/s")
+        elif key == "tokens_per_s":
+            parts.append(f"{value:,.0f} tokens/s")
+        elif key == "tokens_per_s_per_device":
+            parts.append(f"({value:,.0f} per device)")
+        elif key == "mfu":
+            parts.append(f"MFU {value:.1%}")
         elif key in ("step_time_s", "data_time_s"):
             parts.append(f"{key[:-7]} {value * 1000:.1f} ms")
         elif key == "forward_time_s":

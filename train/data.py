@@ -134,6 +134,13 @@ def check_available(cfg: DataConfig) -> None:
     """Raise DatasetMissing (with where the files are expected and how to get them) if the data is not there."""
     if cfg.name == "image_folder":
         _check_image_folder(cfg)
+    elif cfg.name in ("tokens", "python_stdlib"):
+        missing = [name for name in ("train.bin", "val.bin") if not (Path(cfg.root) / name).is_file()]
+        if missing:
+            raise DatasetMissing(
+                f"data={cfg.name}: no {' or '.join(missing)} in {cfg.root}: write them with `python -m train.prepare_text "
+                f"TEXT_FILES {cfg.root}` (byte-level, nothing to download), or point data.root at the directory that "
+                f"holds them (nanoGPT's prepare scripts write the same flat uint16 files).")
     elif cfg.name in IDX_DIRS:
         if _idx_dir(cfg) is None:
             where = " or ".join(f"{Path(cfg.root) / d}/" for d in IDX_DIRS[cfg.name])
@@ -166,6 +173,12 @@ def prepare(cfg: DataConfig) -> None:
     try:
         check_available(cfg)
     except DatasetMissing:
+        if cfg.name == "python_stdlib":  # on every machine: tokenized once, here, before any worker starts
+            from train.prepare_text import prepare as tokenize
+            from train.prepare_text import stdlib_sources
+
+            tokenize(stdlib_sources(STDLIB_BYTES), Path(cfg.root))
+            return
         if not cfg.download or cfg.name not in SOURCES:
             raise
         download(cfg)
@@ -260,7 +273,8 @@ def _load_synthetic(cfg: DataConfig) -> tuple[TensorData, TensorData]:
     return sample(cfg.num_samples), sample(cfg.num_eval_samples)
 
 
-FILE_BACKED = ("mnist", "fashion_mnist", "cifar10", "image_folder")  # data.name values whose files prepare() checks
+STDLIB_BYTES = 4 * 2**20  # data=python_stdlib: the first 4 MB of the standard library's sources, in path order
+FILE_BACKED = ("mnist", "fashion_mnist", "cifar10", "image_folder", "tokens", "python_stdlib")  # data.name values whose files prepare() checks
 
 
 def _resize(data: TensorData, size: int) -> TensorData:

@@ -21,7 +21,7 @@ from torch.utils.data import IterableDataset
 
 from train import dist as distributed
 from train.batches import TrainBatches, eval_batches, stage
-from train.build import add_import_path, build_model, build_optimizer, build_task
+from train.build import add_import_path, build_model, build_optimizer, build_task, checkpoint_blocks
 from train.checkpoint import (
     CheckpointManager,
     checkpoint_dir,
@@ -37,6 +37,7 @@ from train.metrics import build_metrics
 from train.loader import LoaderBatches, loader_eval_batches
 from train.optim import Plan, build_scheduler, make_plan, replica_rank, replicas, train_size
 from train.streams import StreamBatches, stream_eval_batches
+from train.throughput import flops_per_token, peak_tflops
 from train.parallel import Strategy, memory_format, place
 from train.strategies import build_strategy
 from train.state import Progress, build_state, gather, gather_rng, restore_state, seed_rank
@@ -109,6 +110,7 @@ class Run:
     control: torch.distributed.ProcessGroup  # gloo, no collective timeout: waits on another rank's I/O
     watchdog: Watchdog
     batches: object  # this rank's training batches (train_source)
+    flops_per_token: float  # the model's training FLOPs per token, if it says (for MFU); else 0
 
 
 def resume_state(ckpt: CheckpointManager, env: DistEnv, control, watchdog: Watchdog) -> dict | None:
@@ -142,6 +144,9 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     task = build_task(cfg)
     torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank
     model = build_model(cfg)
+    flops = flops_per_token(model)
+    if cfg.trainer.activation_checkpointing:
+        checkpoint_blocks(model)
     fmt = memory_format(cfg.trainer, model, device)
     strategy = build_strategy(place(model, device, fmt), cfg.trainer, env, device)
     optimizer = build_optimizer(cfg.optim, strategy.model, plan.lr)
@@ -164,7 +169,7 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     return Run(
         cfg, run_dir, env, device, data, task, plan, strategy, fmt, optimizer, scheduler, scaler,
         build_autocast(cfg.trainer.precision, device), ckpt, progress, resumed=state is not None, control=control,
-        watchdog=watchdog, batches=batches,
+        watchdog=watchdog, batches=batches, flops_per_token=flops,
     )
 
 
@@ -292,7 +297,7 @@ def fit(run: Run) -> Outcome:
     batches = run.batches
     # Not under compile: recording events inside the compiled forward would split its graph.
     forward = None if cfg.trainer.compile else ForwardClock(run.strategy.model, run.device)
-    meter = Meter(run.device, forward)
+    meter = Meter(run.device, forward, run.flops_per_token, peak_tflops(run.device, cfg.trainer.peak_tflops))
     result: dict[str, float] = {}
     stopped = False
     micro_batches = None

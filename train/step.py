@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from train.config import TrainerConfig
 from train.parallel import Strategy
+from train.throughput import token_figures
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,11 +82,14 @@ class ForwardClock:
 
 
 class Meter:
-    def __init__(self, device: torch.device, forward: ForwardClock | None = None):
+    def __init__(self, device: torch.device, forward: ForwardClock | None = None, flops_per_token: float = 0.0,
+                 peak_tflops: float = 0.0):
         self.loss_sum = torch.zeros((), device=device)
         self.steps = 0
         self.data_time = 0.0
+        self.tokens = 0
         self.forward = forward
+        self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self.restart_clock()
 
     def restart_clock(self) -> None:
@@ -93,6 +97,7 @@ class Meter:
         self.clock = time.perf_counter()
         self.timed_steps = 0
         self.data_time = 0.0
+        self.tokens = 0
         if self.forward is not None:
             self.forward.take()
 
@@ -110,13 +115,17 @@ class Meter:
             torch.tensor(elapsed / steps, device=self.loss_sum.device),
             torch.tensor(self.data_time / steps, device=self.loss_sum.device),
             torch.tensor(forward / steps, device=self.loss_sum.device),
+            torch.tensor(float(self.tokens), device=self.loss_sum.device),
         ])
         table = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(table, mine)
-        loss, step_time, data_time, forward_time = torch.stack(table).double().cpu().unbind(1)  # a value per rank
+        loss, step_time, data_time, forward_time, tokens = torch.stack(table).double().cpu().unbind(1)  # a value per rank
         values = {
             "loss": loss.sum().item() / replicas / max(1, self.steps),  # ranks without a loss add zeros
             "samples_per_s": self.timed_steps * global_batch / elapsed,
+            # Ranks that read the same batches (a pipeline's stages) count them once.
+            **(token_figures(tokens.sum().item() * replicas / len(table) / elapsed, len(table), self.flops_per_token,
+                             self.peak_tflops) if tokens.sum() > 0 else {}),
             **spread("step_time", step_time),
             **spread("data_time", data_time),
             **spread("forward_time", forward_time),
@@ -152,6 +161,7 @@ def train_step(
         start = time.perf_counter()
         inputs, targets = task.split(next(batches))
         meter.data_time += time.perf_counter() - start
+        meter.tokens += task.tokens(targets) if hasattr(task, "tokens") else 0
         # Gradients are synchronised on the last micro-step only; the others just accumulate locally.
         last = micro == cfg.accumulate - 1
         meter.loss_sum += strategy.forward_backward(

@@ -53,6 +53,10 @@ class Task:
         """The reported metrics from the sums over the whole evaluation set."""
         raise NotImplementedError
 
+    def tokens(self, targets) -> int:
+        """Tokens a training batch holds, for tokens/s and MFU; 0: this task does not count tokens."""
+        return 0
+
 
 class Classification(Task):
     """Cross-entropy on class logits (N, C) and integer labels (N,); accuracy and optional top-k accuracy."""
@@ -126,6 +130,9 @@ class LanguageModeling(Task):
             "loss": self._cross_entropy(output, targets, "sum"),
             "tokens": (targets != self.ignore_index).sum(),
         }
+
+    def tokens(self, targets) -> int:
+        return targets.numel()  # every position is computed, ignored or not
 
     def metrics(self, totals):
         loss = totals["loss"] / max(totals["tokens"], 1)

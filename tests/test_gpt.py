@@ -1,0 +1,164 @@
+"""Language models: the GPT preset's model, token windows from memory-mapped files, the next-token task, tokens/s and
+MFU, activation checkpointing. Real processes and gloo for the distributed properties."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import FAST, REPO, final_checkpoint, read_metrics, run_cli
+from train.gpt import GPT
+from train.prepare_text import prepare, stdlib_sources
+from train.tokens import TokenWindows
+
+SMALL_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """~300 kB of this Python's standard library sources as byte tokens: 270k training tokens, 8.4k windows of 32."""
+    directory = tmp_path_factory.mktemp("tokens")
+    prepare(stdlib_sources(300_000), directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def ddp_run(corpus, tmp_path_factory):
+    """12 steps on 2 processes x 16 windows (with a peak for MFU): the reference of several tests below."""
+    run_dir = tmp_path_factory.mktemp("gpt") / "ddp"
+    proc = gpt_run(corpus, run_dir, "trainer.procs_per_node=2", "trainer.peak_tflops=0.5")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run_dir, proc
+
+
+def gpt_run(corpus, run_dir, *overrides: str, cwd=None):
+    base = [*FAST, "+experiment=gpt_tiny", "data=tokens", f"data.root={corpus}", *SMALL_GPT, "data.batch_size=16",
+            "trainer.eval_every=0", "trainer.log_every=4", "trainer.max_steps=12"]
+    return run_cli("launcher", *base, *overrides, f"hydra.run.dir={run_dir}", cwd=cwd or run_dir.parent)
+
+
+def test_flops_per_token_is_the_hand_count():
+    model = GPT(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=8, tie_weights=True)
+    # per block: qkv 8x24 + proj 8x8 + mlp 8x32 + 32x8 + 2 LayerNorm weights 8 = 192 + 64 + 512 + 16 = 784
+    # multiplying: 2 x 784 + final norm 8 + the tied output matrix 256 x 8 = 3624 (position table excluded)
+    assert model.flops_per_token() == 6 * 3624 + 12 * 2 * 8 * 16
+    untied = GPT(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=8, tie_weights=False)
+    assert untied.flops_per_token() == model.flops_per_token()  # the untied lookup table multiplies nothing
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    from train.build import checkpoint_blocks
+
+    torch.manual_seed(0)
+    plain = GPT(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=16, dropout=0.1)
+    recomputed = GPT(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=16, dropout=0.1)
+    recomputed.load_state_dict(plain.state_dict())
+    checkpoint_blocks(recomputed)
+    tokens = torch.randint(0, 64, (4, 17))
+    losses = []
+    for model in (plain, recomputed):
+        torch.manual_seed(1)  # the same dropout masks: the recomputation must draw them again identically
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss)
+    assert abs(losses[0].item() - losses[1].item()) < 1e-6
+    for (name, a), b in zip(plain.named_parameters(), recomputed.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-6, msg=f"{name}: gradients differ")
+    assert list(recomputed.state_dict()) == list(plain.state_dict())  # checkpoints keep their names
+
+
+def test_token_windows_are_the_file_read_in_order(tmp_path):
+    tokens = np.arange(1000, dtype=np.uint16) % 251
+    tokens.tofile(tmp_path / "train.bin")
+    windows = TokenWindows(str(tmp_path / "train.bin"), block_size=10)
+    assert len(windows) == 99  # (1000 - 1) // 10: the last window needs one token beyond its 10
+    inputs, targets = windows[7]
+    assert inputs.tolist() == list(range(70, 80)) and targets.tolist() == list(range(71, 81))
+    assert inputs.dtype == torch.int64
+
+
+def test_gpt_ddp_matches_one_process_and_fsdp_and_checkpointing_match_ddp(corpus, ddp_run, tmp_path):
+    runs = {
+        "one": ["trainer.procs_per_node=1", "data.batch_size=32"],
+        "fsdp": ["trainer.procs_per_node=2", "trainer.strategy=fsdp"],
+        "fsdp_ac": ["trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.activation_checkpointing=true"],
+    }
+    for name, overrides in runs.items():
+        proc = gpt_run(corpus, tmp_path / name, *overrides)
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
+    one, fsdp, fsdp_ac = (final_checkpoint(tmp_path / n)["model"] for n in runs)
+    ddp = final_checkpoint(ddp_run[0])["model"]
+    assert any(k.startswith("blocks.1.") for k in one)
+    for name, expected in one.items():
+        torch.testing.assert_close(ddp[name], expected, **TOLERANCE, msg=f"ddp 2 x 16: {name} differs from 1 x 32")
+        torch.testing.assert_close(fsdp[name], ddp[name], **TOLERANCE, msg=f"fsdp: {name} differs from ddp")
+        torch.testing.assert_close(fsdp_ac[name], fsdp[name], rtol=0, atol=1e-6, msg=f"checkpointing: {name} differs")
+
+
+def test_tokens_per_second_and_mfu_are_logged_from_the_flop_count(ddp_run):
+    run_dir, proc = ddp_run
+    flops = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32).flops_per_token()
+    records = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    assert records
+    for r in records:
+        assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 32, rel=1e-9)  # 32 tokens per window
+        assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 2, rel=1e-9)
+        assert r["mfu"] == pytest.approx(r["tokens_per_s_per_device"] * flops / 0.5e12, rel=1e-9)
+    assert "tokens/s" in proc.stdout and "MFU" in proc.stdout
+
+
+def test_gpt_resume_is_bitwise_and_at_another_world_size_reads_the_same_windows(corpus, ddp_run, tmp_path):
+    """8.4k windows / 32 per step: 263 steps per epoch, so every stop here is mid-epoch."""
+    first = gpt_run(corpus, tmp_path / "split", "trainer.procs_per_node=2", "trainer.max_steps=6")
+    resumed = gpt_run(corpus, tmp_path / "split", "trainer.procs_per_node=2", "trainer.peak_tflops=0.5")
+    assert first.returncode == resumed.returncode == 0 and "resumed at step 6" in resumed.stdout
+    a, b = final_checkpoint(ddp_run[0])["model"], final_checkpoint(tmp_path / "split")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a), "resume is not bitwise"
+    # 6 steps on 2 processes x 16, then 1 process x 32 to step 12: the same windows as 2 x 16 throughout, so the same
+    # weights up to the order of floating-point sums.
+    assert gpt_run(corpus, tmp_path / "resized", "trainer.procs_per_node=2", "trainer.max_steps=6").returncode == 0
+    resized = gpt_run(corpus, tmp_path / "resized", "trainer.procs_per_node=1", "data.batch_size=32")
+    assert resized.returncode == 0 and "resumed at step 6" in resized.stdout
+    c = final_checkpoint(tmp_path / "resized")["model"]
+    for name in a:
+        torch.testing.assert_close(c[name], a[name], **TOLERANCE, msg=f"{name}: other windows after resizing?")
+
+
+def test_perplexity_at_world_size_3_equals_one_process(corpus, tmp_path):
+    """The validation windows split unevenly over 3 ranks (an unpadded share each); lr ~0: the initial model in both
+    runs."""
+    results = {}
+    for world in (1, 3):
+        run_dir = tmp_path / f"world{world}"
+        proc = gpt_run(corpus, run_dir, f"trainer.procs_per_node={world}", "data.batch_size=8", "trainer.max_steps=1",
+                       "optim.lr=1e-12", "data.eval_batch_size=64")
+        assert proc.returncode == 0
+        [results[world]] = [r for r in read_metrics(run_dir) if r["kind"] == "eval"]
+    assert results[3]["perplexity"] == pytest.approx(results[1]["perplexity"], rel=1e-6)
+    assert results[1]["perplexity"] == pytest.approx(math.exp(results[1]["loss"]), rel=1e-9)
+
+
+def test_the_tiny_preset_learns_the_python_sources_below_their_unigram_entropy(tmp_path):
+    """A short run of `+experiment=gpt_tiny` from a fresh directory: the launcher tokenizes the standard library
+    itself; 60 steps already bring the validation loss far below what byte frequencies alone give."""
+    proc = run_cli("launcher", *FAST, "+experiment=gpt_tiny", f"data.root={tmp_path / 'stdlib'}", "trainer.max_steps=60",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    val = np.fromfile(tmp_path / "stdlib" / "val.bin", dtype=np.uint16)
+    frequencies = np.bincount(val, minlength=256) / len(val)
+    unigram = -(frequencies[frequencies > 0] * np.log(frequencies[frequencies > 0])).sum()  # nats per byte
+    [evaluation] = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"]
+    assert unigram > 3.0 and evaluation["loss"] < unigram - 0.4
+
+
+def test_prepare_text_writes_the_files_the_preset_reads(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_bytes(bytes(range(256)) * 40)
+    proc = run_cli("train.prepare_text", str(text), str(tmp_path / "out"), "--val-fraction", "0.25", cwd=REPO)
+    assert proc.returncode == 0 and "7,680 training and 2,560 validation tokens" in proc.stdout
+    train = np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16)
+    assert train[:256].tolist() == list(range(256))  # each byte is its own token

@@ -1,0 +1,93 @@
+"""A decoder-only transformer (GPT-2's architecture, as in nanoGPT) in plain torch: token and learned position
+embeddings, pre-norm blocks held in `self.blocks` (an nn.ModuleList, so FSDP shards it block by block and
+activation checkpointing wraps each block), causal `F.scaled_dot_product_attention` (flash attention where the
+device has it), and optionally the output projection tied to the token embedding.
+
+An ordinary `_target_` (conf/model/gpt.yaml): nothing in the trainer knows it is a language model. It exposes
+`flops_per_token()` for the MFU the trainer reports.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"model.n_embd={n_embd} must be a multiple of model.n_head={n_head}.")
+        self.n_head, self.dropout = n_head, dropout
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, length, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, length, width)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=bias), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd, bias=bias), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size: int = 256, block_size: int = 256, n_layer: int = 4, n_head: int = 4,
+                 n_embd: int = 128, dropout: float = 0.0, bias: bool = False, tie_weights: bool = True):
+        super().__init__()
+        self.block_size, self.n_layer, self.n_embd, self.tie_weights = block_size, n_layer, n_embd, tie_weights
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        if tie_weights:
+            self.head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        for name, parameter in self.named_parameters():  # GPT-2: residual projections scaled by depth
+            if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(parameter, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if length > self.block_size:
+            raise ValueError(f"a sequence of {length} tokens is longer than model.block_size={self.block_size}.")
+        positions = torch.arange(length, device=tokens.device)
+        x = self.drop(self.wte(tokens) + self.wpe(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def flops_per_token(self, length: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward), nanoGPT's and PaLM's convention: 6 x the parameters that
+        multiply (all but the embedding lookups; the output projection counts, tied or not) + 12 x layers x width x
+        sequence length for the attention scores and their weighted sum (causal masking not discounted)."""
+        length = length or self.block_size
+        lookups = self.wpe.weight.numel() + (0 if self.tie_weights else self.wte.weight.numel())
+        multiplying = sum(p.numel() for p in self.parameters()) - lookups  # tied: the shared matrix counted once
+        return 6 * multiplying + 12 * self.n_layer * self.n_embd * length
