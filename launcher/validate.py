@@ -148,6 +148,7 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
     _at_least(problems, "trainer.epochs", t.epochs, 1)
     _at_least(problems, "trainer.log_every", t.log_every, 1)
     _at_least(problems, "trainer.eval_every", t.eval_every, 0, "0 evaluates only at the end")
+    _at_least(problems, "trainer.eval_every_steps", t.eval_every_steps, 0, "0 evaluates at epoch ends only")
     _at_least(problems, "trainer.grad_clip", t.grad_clip, 0.0, "0 disables clipping")
     _at_least(problems, "trainer.peak_tflops", t.peak_tflops, 0.0, "0 looks the device up in a table of known GPUs")
     _at_least(problems, "trainer.threads", t.threads, 0, "0 picks cores / local processes")

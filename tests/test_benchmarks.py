@@ -58,3 +58,22 @@ def test_data_path_benchmark_measures_each_path_from_its_own_metrics(tmp_path):
         assert figures["samples_per_s"] > 0 and 0 <= figures["data_wait_share"] <= 1
     assert report["median_loader"]["samples_per_s"] == report["loader"][0]["samples_per_s"]  # one repetition
     assert f"{report['median_memory']['samples_per_s']:9.1f}" in proc.stdout  # the printed table shows the figures
+
+
+def test_gpt_benchmark_runs_both_loops_and_plots_a_loss_curve(tmp_path):
+    out = tmp_path / "gpt.json"
+    proc = run_cli("benchmarks.gpt_tokens", "--smoke", "--out", str(out), cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["ours"][0] > 0 and report["raw"][0] > 0
+    assert report["ratio"] == report["median"]["ours"] / report["median"]["raw"]
+    assert f"ratio {report['ratio']:.3f}" in proc.stdout
+    run = tmp_path / "run"  # a finished run's losses, plotted
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"kind": "train", "step": 10, "loss": 3.0, "time": 1.0}, {"kind": "train", "step": 20, "loss": 2.5, "time": 2.0},
+        {"kind": "eval", "step": 20, "loss": 2.6, "time": 2.5}]))
+    png = tmp_path / "curve.png"
+    plotted = run_cli("benchmarks.gpt_tokens", "--curve", str(run), "--png", str(png), cwd=REPO, timeout=120)
+    assert plotted.returncode == 0 and "validation loss 2.600" in plotted.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -30,7 +30,7 @@ def corpus(tmp_path_factory):
 def ddp_run(corpus, tmp_path_factory):
     """12 steps on 2 processes x 16 windows (with a peak for MFU): the reference of several tests below."""
     run_dir = tmp_path_factory.mktemp("gpt") / "ddp"
-    proc = gpt_run(corpus, run_dir, "trainer.procs_per_node=2", "trainer.peak_tflops=0.5")
+    proc = gpt_run(corpus, run_dir, "trainer.procs_per_node=2", "trainer.peak_tflops=0.5", "trainer.eval_every_steps=8")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return run_dir, proc
 
@@ -109,12 +109,14 @@ def test_tokens_per_second_and_mfu_are_logged_from_the_flop_count(ddp_run):
         assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 2, rel=1e-9)
         assert r["mfu"] == pytest.approx(r["tokens_per_s_per_device"] * flops / 0.5e12, rel=1e-9)
     assert "tokens/s" in proc.stdout and "MFU" in proc.stdout
+    assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "eval"] == [8, 12]  # eval_every_steps, and the end
 
 
 def test_gpt_resume_is_bitwise_and_at_another_world_size_reads_the_same_windows(corpus, ddp_run, tmp_path):
     """8.4k windows / 32 per step: 263 steps per epoch, so every stop here is mid-epoch."""
     first = gpt_run(corpus, tmp_path / "split", "trainer.procs_per_node=2", "trainer.max_steps=6")
-    resumed = gpt_run(corpus, tmp_path / "split", "trainer.procs_per_node=2", "trainer.peak_tflops=0.5")
+    resumed = gpt_run(corpus, tmp_path / "split", "trainer.procs_per_node=2", "trainer.peak_tflops=0.5",
+                      "trainer.eval_every_steps=8")
     assert first.returncode == resumed.returncode == 0 and "resumed at step 6" in resumed.stdout
     a, b = final_checkpoint(ddp_run[0])["model"], final_checkpoint(tmp_path / "split")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a), "resume is not bitwise"

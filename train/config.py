@@ -93,6 +93,7 @@ class TrainerConfig:
     threads: int = 0  # CPU threads per process; 0 divides the machine's cores among the local processes
     log_every: int = 10  # optimizer steps between metric reductions (the only host syncs in training)
     eval_every: int = 1  # epochs between evaluations; 0 evaluates only at the end
+    eval_every_steps: int = 0  # also evaluate every this many steps (long epochs: a language model's); 0: never
     timeout_s: int = 300  # collective timeout: a collective waiting longer than this fails the rank (not 30 min)
     hang_timeout_s: int = 300  # a rank that finishes no step (or eval batch) for this long reports its stacks and exits; 0 disables
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])  # save at the next step, then stop

@@ -231,10 +231,12 @@ def log_memory(run: Run, metrics, console, step: int) -> None:
 
 
 def evaluation_due(run: Run) -> bool:
-    """At the end of the run, and after every trainer.eval_every-th epoch."""
+    """At the end of the run, after every trainer.eval_every-th epoch and every trainer.eval_every_steps steps."""
     step, plan, every = run.progress.step, run.plan, run.cfg.trainer.eval_every
     epoch_end = step > 0 and step % plan.steps_per_epoch == 0
-    return step >= plan.stop_step or (epoch_end and every > 0 and (step // plan.steps_per_epoch) % every == 0)
+    steps = run.cfg.trainer.eval_every_steps
+    return step >= plan.stop_step or (epoch_end and every > 0 and (step // plan.steps_per_epoch) % every == 0) \
+        or (steps > 0 and step > 0 and step % steps == 0)
 
 
 def train_source(cfg: TrainConfig, dataset, strategy: Strategy, plan: Plan, device: torch.device, fmt):
