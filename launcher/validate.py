@@ -189,8 +189,9 @@ def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
     if t.strategy != "ddp":
         for key, value, default in (("trainer.grad_compression", t.grad_compression, "none"),
                                     ("trainer.static_graph", t.static_graph, False), ("trainer.compile", t.compile, False)):
-            if value != default:
-                problems.append(f"{key}={value} applies to trainer.strategy=ddp only: leave it out with trainer.strategy={t.strategy}.")
+            if value != default and not (key == "trainer.compile" and t.strategy == "fsdp"):
+                applies = "ddp and fsdp" if key == "trainer.compile" else "ddp"
+                problems.append(f"{key}={value} applies to trainer.strategy={applies} only: leave it out with trainer.strategy={t.strategy}.")
         if t.precision == "fp16":
             problems.append(f"trainer.precision=fp16 needs a gradient scaler, which trainer.strategy={t.strategy} does not "
                             f"use here: use trainer.precision=bf16 (no scaler needed).")

@@ -11,6 +11,7 @@ import torch
 
 from conftest import FAST, REPO, final_checkpoint, read_metrics, run_cli
 from train.gpt import GPT
+from train.step import SavedActivations
 from train.prepare_text import prepare, stdlib_sources
 from train.tokens import TokenWindows
 
@@ -59,12 +60,15 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     recomputed.load_state_dict(plain.state_dict())
     checkpoint_blocks(recomputed)
     tokens = torch.randint(0, 64, (4, 17))
-    losses = []
+    losses, kept = [], []
     for model in (plain, recomputed):
         torch.manual_seed(1)  # the same dropout masks: the recomputation must draw them again identically
-        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        with SavedActivations(model) as saved:
+            loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         losses.append(loss)
+        kept.append(saved.bytes)
+    assert kept[1] < kept[0] / 2  # the blocks' activations are recomputed, not kept
     assert abs(losses[0].item() - losses[1].item()) < 1e-6
     for (name, a), b in zip(plain.named_parameters(), recomputed.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-6, msg=f"{name}: gradients differ")
@@ -81,22 +85,27 @@ def test_token_windows_are_the_file_read_in_order(tmp_path):
     assert inputs.dtype == torch.int64
 
 
-def test_gpt_ddp_matches_one_process_and_fsdp_and_checkpointing_match_ddp(corpus, ddp_run, tmp_path):
+def test_gpt_ddp_matches_one_process_and_fsdp_checkpointing_and_compile_match_ddp(corpus, ddp_run, tmp_path):
     runs = {
         "one": ["trainer.procs_per_node=1", "data.batch_size=32"],
         "fsdp": ["trainer.procs_per_node=2", "trainer.strategy=fsdp"],
         "fsdp_ac": ["trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.activation_checkpointing=true"],
+        "fsdp_compiled": ["trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.compile=true"],  # each block
     }
     for name, overrides in runs.items():
         proc = gpt_run(corpus, tmp_path / name, *overrides)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
-    one, fsdp, fsdp_ac = (final_checkpoint(tmp_path / n)["model"] for n in runs)
+    one, fsdp, fsdp_ac, compiled = (final_checkpoint(tmp_path / n)["model"] for n in runs)
+    [plain_memory], [checkpointed_memory] = ([r for r in read_metrics(tmp_path / n) if r["kind"] == "memory"]
+                                             for n in ("fsdp", "fsdp_ac"))
+    assert checkpointed_memory["rank0_activation_mb"] < plain_memory["rank0_activation_mb"] / 2  # logged, and less
     ddp = final_checkpoint(ddp_run[0])["model"]
     assert any(k.startswith("blocks.1.") for k in one)
     for name, expected in one.items():
         torch.testing.assert_close(ddp[name], expected, **TOLERANCE, msg=f"ddp 2 x 16: {name} differs from 1 x 32")
         torch.testing.assert_close(fsdp[name], ddp[name], **TOLERANCE, msg=f"fsdp: {name} differs from ddp")
         torch.testing.assert_close(fsdp_ac[name], fsdp[name], rtol=0, atol=1e-6, msg=f"checkpointing: {name} differs")
+        torch.testing.assert_close(compiled[name], fsdp[name], **TOLERANCE, msg=f"compiled blocks: {name} differs")
 
 
 def test_tokens_per_second_and_mfu_are_logged_from_the_flop_count(ddp_run):

@@ -65,5 +65,15 @@ def checkpoint_blocks(model: nn.Module) -> None:
         block.forward = functools.partial(_recomputed, block.forward)
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """trainer.compile under fsdp: each block's forward compiled on its own (as torchtitan does), so FSDP's
+    gathers and frees, hooked around each block, stay outside the compiled graphs. After checkpoint_blocks: a
+    checkpointed block compiles with its recomputation."""
+    from train.models import blocks
+
+    for block in blocks(model):
+        block.forward = torch.compile(block.forward)
+
+
 def _recomputed(forward, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)

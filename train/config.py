@@ -87,7 +87,7 @@ class TrainerConfig:
     grad_compression: str = "none"  # none | bf16 | fp16: all-reduce gradients in 16 bits (communication-bound runs)
     activation_checkpointing: bool = False  # recompute each block's activations in the backward: less memory, ~1/3 more compute
     peak_tflops: float = 0.0  # the device's peak for MFU; 0: a table of known GPUs (bf16 dense), none on CPU
-    compile: bool = False  # torch.compile the training module (GPU: fewer kernel launches; first steps compile)
+    compile: bool = False  # torch.compile: ddp the whole module, fsdp each block (GPU: fewer kernel launches; first steps compile)
     memory_format: str = "auto"  # auto (channels_last for conv models on GPU) | channels_last | contiguous
     seed: int = 0  # seeds model init (same on every rank) and per-rank randomness (seed + rank)
     threads: int = 0  # CPU threads per process; 0 divides the machine's cores among the local processes

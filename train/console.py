@@ -58,8 +58,9 @@ class LinesConsole:
     def show(self, step: int, epoch: int, values: dict[str, float]) -> None:
         self.print(f"step {step}/{self.total}  epoch {epoch + 1}  {_format(values)}")
 
-    def show_eval(self, step: int, epoch: int, values: dict[str, float]) -> None:
-        self.print(f"eval  step {step}  after epoch {epoch}  {_format(values)}")
+    def show_eval(self, step: int, epoch: float, values: dict[str, float]) -> None:
+        when = f"after epoch {epoch:.0f}" if epoch == int(epoch) else f"at epoch {epoch:.2f}"
+        self.print(f"eval  step {step}  {when}  {_format(values)}")
 
     def close(self) -> None:
         pass
@@ -111,7 +112,7 @@ class NullConsole:
     def show(self, step: int, epoch: int, values: dict[str, float]) -> None:
         pass
 
-    def show_eval(self, step: int, epoch: int, values: dict[str, float]) -> None:
+    def show_eval(self, step: int, epoch: float, values: dict[str, float]) -> None:
         pass
 
     def close(self) -> None:

@@ -5,8 +5,9 @@ meta.json, in OUT_DIR.
     python -m train.prepare_text --python-stdlib data/python_stdlib        # this Python's own library sources
     python -m train.prepare_text --tokenizer gpt2 corpus.txt data/corpus   # tiktoken's GPT-2 BPE, if installed
 
-Byte-level tokenization needs nothing installed and nothing downloaded: every byte is a token (0..255). The last
-`--val-fraction` of the text (by tokens) is the validation split, so the two never share a window.
+Byte-level tokenization needs nothing installed and nothing downloaded: every byte is a token (0..255). With many
+files, every k-th file (k = 1 / --val-fraction) is validation text, so both splits sample the whole corpus; with
+a few, the last `--val-fraction` of the text. The two never share a window.
 """
 
 from __future__ import annotations
@@ -60,15 +61,21 @@ def prepare(files: list[Path], out_dir: Path, tokenizer: str = "bytes", val_frac
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise FileNotFoundError(f"no such text file: {', '.join(missing)}")
-    tokens = encode(b"\n".join(f.read_bytes() for f in files), tokenizer)
-    split = int(len(tokens) * (1 - val_fraction))
+    every = round(1 / val_fraction)
+    if len(files) >= 2 * every:  # every k-th file: both splits sample the whole corpus, not its last directories
+        train_tokens = encode(b"\n".join(f.read_bytes() for i, f in enumerate(files) if i % every != every - 1), tokenizer)
+        val_tokens = encode(b"\n".join(f.read_bytes() for i, f in enumerate(files) if i % every == every - 1), tokenizer)
+    else:  # one text: its last part
+        tokens = encode(b"\n".join(f.read_bytes() for f in files), tokenizer)
+        split = int(len(tokens) * (1 - val_fraction))
+        train_tokens, val_tokens = tokens[:split], tokens[split:]
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, part in (("train.bin", tokens[:split]), ("val.bin", tokens[split:])):
+    for name, part in (("train.bin", train_tokens), ("val.bin", val_tokens)):
         partial = out_dir / f".{name}.partial"
         part.tofile(partial)
         partial.replace(out_dir / name)  # a crash never leaves a half-written file under the real name
-    meta = {"vocab_size": vocab_size(tokenizer), "dtype": str(tokens.dtype), "tokenizer": tokenizer,
-            "train_tokens": split, "val_tokens": len(tokens) - split, "files": len(files)}
+    meta = {"vocab_size": vocab_size(tokenizer), "dtype": str(train_tokens.dtype), "tokenizer": tokenizer,
+            "train_tokens": len(train_tokens), "val_tokens": len(val_tokens), "files": len(files)}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 

@@ -42,7 +42,7 @@ from train.parallel import Strategy, memory_format, place
 from train.strategies import build_strategy
 from train.state import Progress, build_state, gather, gather_rng, restore_state, seed_rank
 from train.status import write_status
-from train.step import ForwardClock, Meter, build_autocast, train_step
+from train.step import ForwardClock, Meter, SavedActivations, build_autocast, train_step
 from train.stopping import StopRequest
 from train.watchdog import Watchdog
 
@@ -211,23 +211,28 @@ def describe_plan(run: Run) -> str:
     return text
 
 
-def log_memory(run: Run, metrics, console, step: int) -> None:
-    """Each rank's parameter and optimizer-state memory (and peak GPU memory), once the optimizer state exists:
-    what fsdp or pipeline save over ddp shows up by rank. Collective."""
+def log_memory(run: Run, metrics, console, step: int, activations: int) -> None:
+    """Each rank's parameter and optimizer-state memory, the activations its first step kept for the backward
+    (and peak GPU memory), once the optimizer state exists: what fsdp, a pipeline or activation checkpointing save
+    shows up by rank. Collective."""
     params, state = run.strategy.memory(run.optimizer)
     peak = torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else 0
-    mine = torch.tensor([params, state, peak], dtype=torch.float64, device=run.device)
+    mine = torch.tensor([params, state, activations, peak], dtype=torch.float64, device=run.device)
     table = [torch.empty_like(mine) for _ in range(run.env.world_size)]
     torch.distributed.all_gather(table, mine)
     values, parts = {}, []
     for rank, row in enumerate(table):
-        params_mb, state_mb, peak_mb = (v / 2**20 for v in row.tolist())
-        values.update({f"rank{rank}_param_mb": params_mb, f"rank{rank}_optim_mb": state_mb})
+        params_mb, state_mb, activations_mb, peak_mb = (v / 2**20 for v in row.tolist())
+        values.update({f"rank{rank}_param_mb": params_mb, f"rank{rank}_optim_mb": state_mb,
+                       f"rank{rank}_activation_mb": activations_mb})
         if run.device.type == "cuda":
             values[f"rank{rank}_peak_mb"] = peak_mb
-        parts.append(f"rank {rank} {params_mb:.1f} + {state_mb:.1f} MB" + (f" (peak {peak_mb:.0f} MB)" if peak else ""))
+        parts.append(f"rank {rank} {params_mb:.1f} + {state_mb:.1f} + {activations_mb:.1f} MB"
+                     + (f" (peak {peak_mb:.0f} MB)" if peak else ""))
     metrics.log("memory", step, values)
-    console.print(f"memory per rank, parameters + optimizer state ({run.cfg.trainer.strategy}): {', '.join(parts)}")
+    checkpointing = ", activation checkpointing" if run.cfg.trainer.activation_checkpointing else ""
+    console.print(f"memory per rank, parameters + optimizer state + activations of a step ({run.cfg.trainer.strategy}"
+                  f"{checkpointing}): {', '.join(parts)}")
 
 
 def evaluation_due(run: Run) -> bool:
@@ -271,7 +276,7 @@ def evaluate_and_save(run: Run, metrics, console) -> dict[str, float]:
                       heartbeat=lambda: watchdog.beat(progress.step, "evaluating"))
     epoch = progress.step / run.plan.steps_per_epoch
     metrics.log("eval", progress.step, {**result, "epoch": epoch})
-    console.show_eval(progress.step, int(epoch), result)
+    console.show_eval(progress.step, epoch, result)
     name, mode = monitored(run)
     value = result[name]
     best = progress.best_metric
@@ -313,12 +318,15 @@ def fit(run: Run) -> Outcome:
         if micro_batches is None or offset == 0:
             micro_batches = batches.epoch(epoch, start=offset * cfg.trainer.accumulate)
         compiling = cfg.trainer.compile and progress.step == start  # the first step compiles: minutes, not a hang
-        with watchdog.paused("compiling the first step") if compiling else contextlib.nullcontext():
+        # This attempt's first step counts the activations it keeps (not under compile: the hooks would be traced).
+        saved = SavedActivations(run.strategy.model) if progress.step == start and not cfg.trainer.compile else None
+        with watchdog.paused("compiling the first step") if compiling else contextlib.nullcontext(), \
+                saved or contextlib.nullcontext():
             train_step(run.strategy, run.task, micro_batches, run.optimizer, run.scheduler, run.scaler, run.autocast,
                        cfg.trainer, meter)
         progress.step += 1
         if progress.step == start + 1:  # this attempt's first step: the optimizer state exists now
-            log_memory(run, metrics, console, progress.step)
+            log_memory(run, metrics, console, progress.step, saved.bytes if saved else 0)
         watchdog.beat(progress.step)
         console.advance(progress.step)
         if progress.step % cfg.trainer.log_every == 0:

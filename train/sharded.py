@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from train.build import compile_blocks
 from train.config import TrainerConfig
 from train.dist import DistEnv
 from train.models import blocks
@@ -68,6 +69,8 @@ class FSDPStrategy(Strategy):
         mesh = init_device_mesh(device.type, (env.world_size,))
         offload = CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy()
         policy = {"mesh": mesh, "offload_policy": offload}
+        if cfg.compile:
+            compile_blocks(model)
         for unit in shard_units(model):
             fully_shard(unit, **policy, mp_policy=FLOAT32 if isinstance(unit, _BatchNorm) else mixed_precision(cfg.precision))
 

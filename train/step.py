@@ -81,6 +81,31 @@ class ForwardClock:
             hook.remove()
 
 
+class SavedActivations:
+    """Bytes autograd keeps for the backward pass inside the `with` (each storage once, the model's parameters
+    excluded): the activation memory of a step, on any device. A checkpointed block keeps only its input."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.parameters = {p.untyped_storage().data_ptr() for p in model.parameters() if not hasattr(p, "to_local")}
+        self.seen: set[int] = set()
+        self.bytes = 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.seen and storage.data_ptr() not in self.parameters:
+            self.seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> SavedActivations:
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+
+
 class Meter:
     def __init__(self, device: torch.device, forward: ForwardClock | None = None, flops_per_token: float = 0.0,
                  peak_tflops: float = 0.0):
