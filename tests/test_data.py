@@ -180,3 +180,18 @@ def test_an_image_folder_decodes_classes_from_sub_folders_lazily(tmp_path):
     assert len(crops) > 1  # random crops and flips
     with pytest.raises(FileNotFoundError, match="no .png"):
         ImageFolder(str(tmp_path / "train" / "digit0"))
+
+
+def test_the_digits_are_scikit_learns_read_without_importing_it():
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from train.data import read_digits
+
+    pixels, labels = read_digits()
+    digits = load_digits()
+    assert (pixels == digits.data).all() and (labels == digits.target).all() and pixels.shape == (1797, 64)
+    check = "import sys; from train.data import read_digits; read_digits(); print('sklearn' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True).stdout.strip() == "False"

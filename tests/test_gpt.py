@@ -108,6 +108,22 @@ def test_gpt_ddp_matches_one_process_and_fsdp_checkpointing_and_compile_match_dd
         torch.testing.assert_close(compiled[name], fsdp[name], **TOLERANCE, msg=f"compiled blocks: {name} differs")
 
 
+def test_a_two_stage_pipeline_of_the_gpt_reaches_one_process(corpus, tmp_path):
+    """GPTPipeline: embedding, 2 blocks, head as an nn.Sequential, cut into 2 stages of 2 children each; gradient
+    accumulation (2 micro-steps of 2 microbatches) on the pipeline against one process's whole batch."""
+    pipeline = ["model._target_=train.gpt.GPTPipeline", "~model.tie_weights"]
+    one = gpt_run(corpus, tmp_path / "one", *pipeline, "trainer.procs_per_node=1", "data.batch_size=32")
+    staged = gpt_run(corpus, tmp_path / "staged", *pipeline, "trainer.procs_per_node=2", "trainer.strategy=pipeline",
+                     "data.batch_size=16", "trainer.accumulate=2", "trainer.microbatches=2")
+    assert one.returncode == 0 and staged.returncode == 0, staged.stderr[-2000:]
+    a, b = final_checkpoint(tmp_path / "one")["model"], final_checkpoint(tmp_path / "staged")["model"]
+    assert a.keys() == b.keys() and "0.wte.weight" in a and "3.head.weight" in a  # the stages put together
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], **TOLERANCE, msg=f"pipeline: {name} differs from one process")
+    [one_eval], [staged_eval] = ([r for r in read_metrics(tmp_path / n) if r["kind"] == "eval"] for n in ("one", "staged"))
+    assert staged_eval["loss"] == pytest.approx(one_eval["loss"], rel=1e-5)  # scored by the last stage
+
+
 def test_tokens_per_second_and_mfu_are_logged_from_the_flop_count(ddp_run):
     run_dir, proc = ddp_run
     flops = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32).flops_per_token()

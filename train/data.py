@@ -247,13 +247,29 @@ def _split(images: torch.Tensor, labels: torch.Tensor, cfg: DataConfig):
     return (images[tr], labels[tr]), (images[ev], labels[ev])
 
 
+def read_digits():
+    """(pixels (1797, 64), labels) from the file scikit-learn ships (`sklearn.datasets.load_digits` reads the same),
+    read without importing scikit-learn: its import (scipy included) costs every process a second."""
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" if spec else None
+    if path is None or not path.is_file():
+        from sklearn.datasets import load_digits  # another layout: its own loader says what is missing
+
+        digits = load_digits()
+        return digits.data, digits.target
+    table = np.loadtxt(path, delimiter=",")
+    return table[:, :-1], table[:, -1].astype(np.int64)
+
+
 def _load_digits(cfg: DataConfig) -> tuple[TensorData, TensorData]:
     """scikit-learn's bundled 8x8 digits (1,797 real scans, values 0..16), upscaled to data.image_size."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = torch.as_tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.as_tensor(digits.target, dtype=torch.long)
+    pixels, target = read_digits()
+    images = torch.as_tensor(pixels, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    labels = torch.as_tensor(target, dtype=torch.long)
     (tr_x, tr_y), (ev_x, ev_y) = _split(images, labels, cfg)
     mean, std = (tr_x.mean().item(),), (tr_x.std().item(),)
     return TensorData(tr_x, tr_y, mean, std), TensorData(ev_x, ev_y, mean, std)

@@ -3,7 +3,8 @@ embeddings, pre-norm blocks held in `self.blocks` (an nn.ModuleList, so FSDP sha
 activation checkpointing wraps each block), causal `F.scaled_dot_product_attention` (flash attention where the
 device has it), and optionally the output projection tied to the token embedding.
 
-An ordinary `_target_` (conf/model/gpt.yaml): nothing in the trainer knows it is a language model. It exposes
+An ordinary `_target_` (conf/model/gpt.yaml): nothing in the trainer knows it is a language model. GPTPipeline
+is the same network as an nn.Sequential (untied), for trainer.strategy=pipeline. Both expose
 `flops_per_token()` for the MFU the trainer reports.
 """
 
@@ -61,17 +62,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_weights:
             self.head.weight = self.wte.weight
-        self.apply(self._init_weights)
-        for name, parameter in self.named_parameters():  # GPT-2: residual projections scaled by depth
-            if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(parameter, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        init_weights(self, n_layer)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
@@ -87,7 +78,65 @@ class GPT(nn.Module):
         """Training FLOPs per token (forward + backward), nanoGPT's and PaLM's convention: 6 x the parameters that
         multiply (all but the embedding lookups; the output projection counts, tied or not) + 12 x layers x width x
         sequence length for the attention scores and their weighted sum (causal masking not discounted)."""
-        length = length or self.block_size
         lookups = self.wpe.weight.numel() + (0 if self.tie_weights else self.wte.weight.numel())
-        multiplying = sum(p.numel() for p in self.parameters()) - lookups  # tied: the shared matrix counted once
-        return 6 * multiplying + 12 * self.n_layer * self.n_embd * length
+        return flops(self, lookups, self.n_layer, self.n_embd, length or self.block_size)
+
+
+class Embedding(nn.Module):
+    """The pipeline's first stage: token and position embeddings."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device)))
+
+
+class Head(nn.Module):
+    """The pipeline's last stage: the final norm and the output projection."""
+
+    def __init__(self, vocab_size: int, n_embd: int, bias: bool):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+class GPTPipeline(nn.Sequential):
+    """The same transformer as GPT, as an nn.Sequential of embedding, blocks and head, so that
+    trainer.strategy=pipeline can cut it between blocks (each child feeds the next). Its output projection is
+    not tied to the embedding: the two live on the first and the last stage. Sharded or data-parallel, use GPT."""
+
+    def __init__(self, vocab_size: int = 256, block_size: int = 256, n_layer: int = 4, n_head: int = 4,
+                 n_embd: int = 128, dropout: float = 0.0, bias: bool = False):
+        super().__init__(Embedding(vocab_size, block_size, n_embd, dropout),
+                         *(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer)), Head(vocab_size, n_embd, bias))
+        self.block_size, self.n_layer, self.n_embd = block_size, n_layer, n_embd
+        init_weights(self, n_layer)
+
+    def flops_per_token(self, length: int | None = None) -> float:
+        embedding = self[0]
+        lookups = embedding.wpe.weight.numel() + embedding.wte.weight.numel()
+        return flops(self, lookups, self.n_layer, self.n_embd, length or self.block_size)
+
+
+def init_weights(model: nn.Module, n_layer: int) -> None:
+    """GPT-2's: normal(0, 0.02) weights, zero biases, residual projections scaled down by the depth."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+    for name, parameter in model.named_parameters():
+        if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
+            nn.init.normal_(parameter, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+
+def flops(model: nn.Module, lookups: int, n_layer: int, n_embd: int, length: int) -> float:
+    multiplying = sum(p.numel() for p in model.parameters()) - lookups  # a tied matrix is one parameter, counted once
+    return 6 * multiplying + 12 * n_layer * n_embd * length
