@@ -124,6 +124,17 @@ def test_a_two_stage_pipeline_of_the_gpt_reaches_one_process(corpus, tmp_path):
     assert staged_eval["loss"] == pytest.approx(one_eval["loss"], rel=1e-5)  # scored by the last stage
 
 
+def test_the_gpt_learns_in_bf16_under_fsdp_with_accumulation(corpus, tmp_path):
+    """bf16 autocast, parameters gathered in bf16 and gradients reduced in float32, 2 micro-steps per step."""
+    proc = gpt_run(corpus, tmp_path / "run", "trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.precision=bf16",
+                   "data.batch_size=8", "trainer.accumulate=2", "trainer.max_steps=24")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 0.5  # from ~5.5 (uniform over bytes)
+    weights = final_checkpoint(tmp_path / "run")["model"]
+    assert all(w.dtype == torch.float32 for w in weights.values())  # the checkpoint keeps float32 masters
+
+
 def test_tokens_per_second_and_mfu_are_logged_from_the_flop_count(ddp_run):
     run_dir, proc = ddp_run
     flops = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32).flops_per_token()
