@@ -56,12 +56,16 @@ def main() -> None:
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas))
-    warmup, total, min_ratio = 50, 1000, 0.1
+    # The same schedule as the trainer's, by hand: lengths from the config's epochs over the file's windows.
+    schedule = cfg.optim.schedule
+    steps_per_epoch = -(-((len(data) - 1) // block) // world) // batch
+    warmup = round(schedule.get("warmup_epochs", 0) * steps_per_epoch)
+    total, min_ratio = cfg.trainer.epochs * steps_per_epoch, schedule.get("min_lr_ratio", 0.0)
 
     def lr_at(step: int) -> float:
         if step < warmup:
             return cfg.optim.lr * (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / (total - warmup))
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return cfg.optim.lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     start = None
