@@ -20,6 +20,7 @@ from omegaconf.errors import ConfigKeyError
 from launcher.local import world_size
 from launcher.schema import Config
 from train.checkpoint import refuse_fresh_start_over
+from train.config import CHECKPOINT_FORMATS, checkpoint_format
 from train.console import PROGRESS_MODES
 from launcher.targets import check_targets
 from train.data import DatasetMissing, prepare
@@ -169,6 +170,10 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
     _at_least(problems, "checkpoint.every_steps", cfg.checkpoint.every_steps, 0, "0 saves only after evaluations")
     if cfg.checkpoint.mode:
         _choice(problems, "checkpoint.mode", cfg.checkpoint.mode, ("min", "max"))
+    if _choice(problems, "checkpoint.format", cfg.checkpoint.format, CHECKPOINT_FORMATS) and cfg.checkpoint.async_save \
+            and checkpoint_format(cfg) != "dcp":
+        problems.append(f"checkpoint.async_save=true writes step directories: add checkpoint.format=dcp (this run "
+                        f"would write {checkpoint_format(cfg)!r} checkpoints), or leave async_save out.")
     _at_least(problems, "data.num_workers", d.num_workers, 0, "0 loads in the training process")
     _at_least(problems, "launcher.max_restarts", cfg.launcher.max_restarts, 0)
     _choice(problems, "launcher.name", cfg.launcher.name, LAUNCHERS)

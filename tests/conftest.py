@@ -92,9 +92,15 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 
 def final_checkpoint(run_dir: Path) -> dict:
-    files = sorted((run_dir / "checkpoints").glob("step_*.pt"))
-    assert files, f"no checkpoint in {run_dir}"
-    return torch.load(files[-1], weights_only=True)
+    """The newest checkpoint's state, "model" included, in either format (a step directory's model read whole)."""
+    from train import stepdir
+    from train.checkpoint import committed
+
+    found = committed(run_dir / "checkpoints")
+    assert found, f"no checkpoint in {run_dir}"
+    if found[-1].path.is_dir():
+        return {**stepdir.load_trainer_state(found[-1].path), "model": stepdir.read_model(found[-1].path)}
+    return torch.load(found[-1].path, weights_only=True)
 
 
 # SGD with momentum on an MLP without dropout or batch norm: nothing that depends on the per-rank batch.

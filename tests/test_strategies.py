@@ -53,8 +53,10 @@ def test_fsdp_reaches_the_weights_of_ddp_with_half_the_parameter_memory(fsdp_run
         assert sharded[f"rank{rank}_optim_mb"] == pytest.approx(replicated[f"rank{rank}_optim_mb"] / 2, rel=0.02)
 
 
-def test_fsdp_checkpoint_is_a_plain_state_dict_and_resumes_exactly(launch, tmp_path, fsdp_run):
-    run = [*IDENTITY, "trainer.strategy=fsdp", "trainer.procs_per_node=2", "data.batch_size=16", f"hydra.run.dir={tmp_path / 'run'}"]
+def test_fsdp_checkpoint_file_is_a_plain_state_dict_and_resumes_exactly(launch, tmp_path, fsdp_run):
+    """checkpoint.format=file under fsdp (sharded step directories are tested in test_sharded_checkpoints.py)."""
+    run = [*IDENTITY, "trainer.strategy=fsdp", "trainer.procs_per_node=2", "data.batch_size=16", "checkpoint.format=file",
+           f"hydra.run.dir={tmp_path / 'run'}"]
     assert launch(*run, "trainer.max_steps=12").returncode == 0
     halfway = final_checkpoint(tmp_path / "run")
     single_device_model().load_state_dict(halfway["model"])  # strict: every key, unsharded shapes

@@ -108,6 +108,21 @@ class CheckpointConfig:
     resume: bool = True  # resume from the newest loadable checkpoint of the run directory
     monitor: str = ""  # the evaluation metric that picks best.pt (e.g. acc, loss); empty: the task's main one
     mode: str = ""  # min | max: whether a smaller or larger monitor is better; empty: the task's
+    # file: one file that rank 0 writes from the gathered full state (small models; any tool loads it).
+    # dcp: a step directory every rank writes its shards into (torch.distributed.checkpoint): no rank holds the whole
+    # state, and a run resumes at another world size or strategy. auto: dcp under fsdp, file otherwise.
+    format: str = "auto"
+    async_save: bool = False  # dcp: write in the background from a copy of the state while training goes on
+
+
+CHECKPOINT_FORMATS = ("auto", "file", "dcp")
+
+
+def checkpoint_format(cfg: "TrainConfig") -> str:
+    """The format checkpoint.format=auto stands for: sharded where the state is sharded."""
+    if cfg.checkpoint.format != "auto":
+        return cfg.checkpoint.format
+    return "dcp" if cfg.trainer.strategy == "fsdp" else "file"
 
 
 @dataclass

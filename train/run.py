@@ -22,13 +22,8 @@ from torch.utils.data import IterableDataset
 from train import dist as distributed
 from train.batches import TrainBatches, eval_batches, stage
 from train.build import add_import_path, build_model, build_optimizer, build_task, checkpoint_blocks
-from train.checkpoint import (
-    CheckpointManager,
-    checkpoint_dir,
-    load,
-    refuse_fresh_start_over,
-)
-from train.config import TrainConfig, load_config, to_dict
+from train.checkpoint import CheckpointManager, checkpoint_dir, refuse_fresh_start_over
+from train.config import TrainConfig, checkpoint_format, load_config, to_dict
 from train.console import build_console
 from train.data import Datasets, TensorData, build_datasets
 from train.dist import DistEnv
@@ -40,7 +35,7 @@ from train.streams import StreamBatches, stream_eval_batches
 from train.throughput import flops_per_token, peak_tflops
 from train.parallel import Strategy, memory_format, place
 from train.strategies import build_strategy
-from train.state import Progress, build_state, gather, gather_rng, restore_state, seed_rank
+from train.state import Progress, build_state, gather, gather_rng, restore_state, seed_rank, sharded_parts
 from train.status import write_status
 from train.step import ForwardClock, Meter, SavedActivations, build_autocast, train_step
 from train.stopping import StopRequest
@@ -75,7 +70,8 @@ def main(config_path: str | Path) -> Outcome:
     watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s)  # from here on: loading a checkpoint is watched too
     run = None
     try:
-        run = build(cfg, config_path.parent, env, device, distributed.control_group(), watchdog)
+        control, saving = distributed.control_group(), distributed.control_group()
+        run = build(cfg, config_path.parent, env, device, control, watchdog, saving)
         return fit(run)
     finally:
         # DDP's reducer and the strategy hold the process groups. Left to the garbage collector at interpreter
@@ -113,32 +109,22 @@ class Run:
     flops_per_token: float  # the model's training FLOPs per token, if it says (for MFU); else 0
 
 
-def resume_state(ckpt: CheckpointManager, env: DistEnv, control, watchdog: Watchdog) -> dict | None:
-    """Rank 0 picks the newest checkpoint that loads; every rank then loads that same file.
-
-    Reading and hashing beat the watchdog chunk by chunk; the ranks wait for each other on the control group, so a
-    read that takes longer than trainer.timeout_s is not mistaken for a hang."""
-    chosen: list = [None]
-    state = None
-    reading = lambda: watchdog.beat(0, "reading a checkpoint")  # noqa: E731
-    if env.is_main and ckpt.cfg.resume:
-        path, state = ckpt.newest_loadable(progress=reading)
-        chosen = [str(path) if path else None]
-    elif env.is_main:
+def resume_state(ckpt: CheckpointManager, env: DistEnv, watchdog: Watchdog) -> dict | None:
+    """The state of the newest checkpoint that loads, on every rank (see CheckpointManager.choose); None for a
+    fresh start. Reading and hashing beat the watchdog chunk by chunk; waits on other ranks' reading do not count."""
+    if env.is_main and not ckpt.cfg.resume:
         refuse_fresh_start_over(ckpt.directory.parent)
-    with watchdog.paused("waiting for rank 0 to choose a checkpoint"):
-        torch.distributed.broadcast_object_list(chosen, src=0, group=control)
-    if chosen[0] is None:
+    if not ckpt.cfg.resume:
         return None
-    log.info("resuming from %s", chosen[0])
-    if not env.is_main:
-        state = load(Path(chosen[0]), progress=reading)
-    with watchdog.paused("waiting for every rank to read the checkpoint"):
-        torch.distributed.barrier(group=control)
+    state = ckpt.choose(env.rank, env.world_size, progress=lambda: watchdog.beat(0, "reading a checkpoint"))
+    if state is not None:
+        log.info("resuming from %s (step %d)", state.get("sharded") or "the newest checkpoint file", state["step"])
     return state
 
 
-def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, control, watchdog: Watchdog) -> Run:
+def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, control, watchdog: Watchdog,
+          saving=None) -> Run:
+    """`saving`: the gloo group of the checkpoint collectives (a background save's own, apart from `control`)."""
     data = stage(build_datasets(cfg.data, replica_rank(cfg, env), replicas(cfg, env.world_size)), device)
     plan = make_plan(cfg, env.world_size, train_size(data.train, cfg))
     task = build_task(cfg)
@@ -154,12 +140,14 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.trainer.precision == "fp16")
     seed_rank(cfg.trainer.seed + env.rank)  # per-rank randomness (dropout) differs between ranks
 
-    ckpt = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint, is_writer=env.is_main)
+    saving = saving or control
+    ckpt = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint, is_writer=env.is_main,
+                             fmt=checkpoint_format(cfg), group=saving, paused=watchdog.paused)
     progress = Progress()
-    state = resume_state(ckpt, env, control, watchdog)
+    state = resume_state(ckpt, env, watchdog)
     if state is not None:
         parts = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, plan=plan, env=env,
-                     config=to_dict(cfg))
+                     config=to_dict(cfg), group=saving)
         progress = restore_state(state, **parts)
         ckpt.saved_step = progress.step
     batches = train_source(cfg, data.train, strategy, plan, device, fmt)
@@ -174,20 +162,26 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
 
 
 def save_checkpoint(run: Run, is_best: bool = False) -> None:
-    """Every rank takes part (gathering RNG states, and the model's parts under fsdp or pipeline, are collectives);
-    only rank 0 writes, beating its watchdog per chunk, while the others wait for it on the control group."""
+    """Every rank takes part: gathering RNG states and data positions are collectives, and so are gathering the
+    model's parts onto rank 0 (format file, under fsdp or pipeline) or writing them in parallel (format dcp). A
+    single file is written by rank 0 alone, beating its watchdog per chunk, while the others wait for it."""
     step = run.progress.step
-    if run.ckpt.saved_step != step:
-        state = build_state(
-            strategy=run.strategy, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
-            progress=run.progress, plan=run.plan, rng=gather_rng(run.env), data=gather(run.env, run.batches.state_dict()),
-            config=to_dict(run.cfg),
-        )
-        run.ckpt.save(state, step, progress=lambda: run.watchdog.beat(step, "writing a checkpoint"))
+    if run.ckpt.saved_step == step:
+        if is_best:
+            run.ckpt.wait()  # best/ links the files of the step being written
+            run.ckpt.mark_best(step)
+        return
+    tensors, plain = sharded_parts(run.env, run.strategy, run.optimizer) if run.ckpt.format == "dcp" else (None, None)
+    state = build_state(
+        strategy=run.strategy, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
+        progress=run.progress, plan=run.plan, rng=gather_rng(run.env), data=gather(run.env, run.batches.state_dict()),
+        config=to_dict(run.cfg), sharded_plain=plain,
+    )
+    run.ckpt.save(state, step, progress=lambda: run.watchdog.beat(step, "writing a checkpoint"), tensors=tensors,
+                  best=is_best)
+    if tensors is None:
         with run.watchdog.paused("waiting for rank 0 to write the checkpoint"):
             torch.distributed.barrier(group=run.control)
-    if is_best:
-        run.ckpt.mark_best(step)
 
 
 def describe_schedule(run: Run) -> str:
@@ -351,6 +345,7 @@ def fit(run: Run) -> Outcome:
             stopped = True
             break
 
+    run.ckpt.close()  # a save still in flight is finished (and committed) before the run reports its end
     stop.close()
     if forward is not None:
         forward.close()

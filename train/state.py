@@ -10,11 +10,13 @@ import logging
 import random
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from train import stepdir
 from train.config import flatten
 from train.dist import DistEnv
 from train.optim import Plan
@@ -87,13 +89,19 @@ def build_state(
     rng: list[dict],
     data: list,
     config: dict,
+    sharded_plain: dict | None = None,
 ) -> dict:
+    """The checkpoint's state. With `sharded_plain` (format dcp: the non-tensor leaves of every rank's sharded
+    state) it leaves out the model and optimizer, whose tensors the ranks write themselves."""
     epoch, step_in_epoch = divmod(progress.step, plan.steps_per_epoch)
+    if sharded_plain is None:  # the whole model, plain: loads into build_model() on one device
+        tensors = {"model": strategy.model_state(), "optimizer": strategy.optimizer_state(optimizer)}
+    else:
+        tensors = {"plain": sharded_plain}
     return {
         "format_version": FORMAT_VERSION,
         "strategy": strategy.name,
-        "model": strategy.model_state(),  # the whole model, plain: loads into build_model() on one device
-        "optimizer": strategy.optimizer_state(optimizer),
+        **tensors,
         "scheduler": {"last_epoch": scheduler.last_epoch, "last_lr": scheduler.get_last_lr()},  # recomputed on resume
         "scaler": scaler.state_dict(),
         "step": progress.step,
@@ -121,6 +129,7 @@ def restore_state(
     plan: Plan,
     env: DistEnv,
     config: dict,
+    group=None,
 ) -> Progress:
     """Put a checkpoint back. Same world size and global batch: exactly where it stopped, RNG included.
 
@@ -131,16 +140,23 @@ def restore_state(
 
     The lr schedule is a function of the plan and the step, so it is recomputed rather than loaded (LambdaLR's
     state would carry the old schedule's length); a change of schedule is reported.
+
+    A step directory (format dcp, `state["sharded"]`) is read into this run's own layout: any world size, any
+    strategy. A single file resumes under the strategy that wrote it.
     """
     saved = state.get("strategy", "ddp")
-    if saved != strategy.name:
+    if "sharded" in state:
+        restore_sharded(state, strategy, optimizer, group)
+    elif saved != strategy.name:
         raise ValueError(
-            f"the checkpoint was written under trainer.strategy={saved}, and this run uses {strategy.name}: resume "
-            f"with trainer.strategy={saved}, or start from its weights in a new run directory (its \"model\" entry "
-            f"is a plain state dict)."
+            f"the checkpoint was written under trainer.strategy={saved} as a single file, and this run uses "
+            f"{strategy.name}: resume with trainer.strategy={saved}, or start from its weights in a new run directory "
+            f"(its \"model\" entry is a plain state dict). Checkpoints written with checkpoint.format=dcp resume under "
+            f"any strategy."
         )
-    strategy.load_model_state(state["model"])
-    strategy.load_optimizer_state(optimizer, state["optimizer"])
+    else:
+        strategy.load_model_state(state["model"])
+        strategy.load_optimizer_state(optimizer, state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     if env.rank < len(state["rng"]):
         restore_rng(state["rng"][env.rank])
@@ -165,6 +181,27 @@ def restore_state(
                     scheduler.get_last_lr()[0])
     best = state.get("best_metric", state.get("best_acc"))  # files from before checkpoint.monitor: accuracy
     return Progress(step=step, best_metric=best, eval_step=step if evaluated else -1)
+
+
+def restore_sharded(state: dict, strategy: Strategy, optimizer: torch.optim.Optimizer, group) -> None:
+    """Read a step directory's tensors into this rank's live state (resharded by DCP), put back the non-tensor
+    leaves it saved (the optimizer's param_groups stay this run's: they come from its config), and load."""
+    target = strategy.sharded_state(optimizer)
+    tensors, plain = stepdir.split(target)
+    stepdir.load_tensors(tensors, Path(state["sharded"]), group)
+    saved = state.get("plain", {})
+    stepdir.put_plain(target, {k: saved[k] for k in plain if k in saved and not k.startswith("optimizer/param_groups")})
+    strategy.load_sharded_state(optimizer, target)
+
+
+def sharded_parts(env: DistEnv, strategy: Strategy, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(this rank's tensors, every rank's non-tensor leaves) of the sharded state (collective: gathers the
+    latter, which are small: a user optimizer's counters, a module's extra state)."""
+    tensors, plain = stepdir.split(strategy.sharded_state(optimizer))
+    merged: dict = {}
+    for part in gather(env, {k: v for k, v in plain.items() if not k.startswith("optimizer/param_groups")}):
+        merged.update(part)
+    return tensors, merged
 
 
 def set_schedule_step(scheduler, step: int) -> None:

@@ -8,6 +8,7 @@ restart runs clean):
   FAULT=slow_data  wait FAULT_DELAY_MS (default 50) before each training batch of this rank: a data stall
   FAULT=slow_forward  wait FAULT_DELAY_MS (default 50) inside every training forward pass of this rank: a slow GPU
   FAULT=term    send itself SIGTERM at the start of optimizer step FAULT_STEP (a stop lands on a known step)
+  FAULT=kill_in_save  SIGKILL itself while committing the step directory of step FAULT_STEP (see the end)
   FAULT=slow_io checkpoint reads and writes of this rank (of every rank with FAULT_RANK=all) go in 1 kB chunks,
                 FAULT_DELAY_MS (default 50) each (every attempt: a slow file system, not a crash)
 """
@@ -33,7 +34,7 @@ if os.environ.get("FAULT") == "slow_io" and os.environ.get("FAULT_RANK", "0") in
     train.checkpoint._read_chunks = lambda path, progress: read_chunks(path, slow(progress))
 
 elif (
-    os.environ.get("FAULT")
+    os.environ.get("FAULT") not in (None, "", "kill_in_save")
     and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0")
     and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 ):
@@ -90,3 +91,20 @@ elif (
             return train_step(*args, **kwargs)
 
         train.step.train_step = faulty_train_step
+
+if os.environ.get("FAULT") == "kill_in_save" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0") \
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    # FAULT=kill_in_save: SIGKILL itself while committing the step directory of step FAULT_STEP (every rank's
+    # shards written, the manifest not yet): with checkpoint.async_save, a crash in the middle of a background write.
+    import signal
+
+    import train.stepdir
+
+    commit = train.stepdir.commit
+
+    def killing_commit(directory, meta, progress):
+        if meta["step"] == int(os.environ["FAULT_STEP"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return commit(directory, meta, progress)
+
+    train.stepdir.commit = killing_commit
