@@ -456,6 +456,13 @@ class CheckpointManager:
         are checked by every rank, each hashing its share."""
         candidates = [str(c.path) for c in reversed(self.committed())] if self.is_writer else []
         candidates = _broadcast(candidates, self.group)
+        state = self._choose(candidates, rank, world_size, progress)
+        if dist.is_initialized():
+            with self.paused("waiting for every rank to read the checkpoint"):
+                dist.barrier(group=self.group)  # the next collective has the short timeout of training
+        return state
+
+    def _choose(self, candidates: list[str], rank: int, world_size: int, progress: Progress) -> dict | None:
         for name in candidates:
             path = Path(name)
             if not name.endswith(".pt"):  # a step directory
