@@ -36,6 +36,15 @@ def describe_schedule(node: dict) -> str:
     return describe_target(node)
 
 
+def _strategy(cfg: Config, world: int) -> str:
+    t = cfg.trainer
+    copies = t.fsdp_replicate or t.nodes
+    if t.strategy == "fsdp" and copies > 1:
+        return (f"fsdp (HSDP): {copies} copies of the model, each sharded {world // copies} ways block by block; "
+                f"gradients all-reduced between the copies")
+    return STRATEGY_NOTES[t.strategy].format(world=world, microbatches=t.microbatches, schedule=t.pipeline_schedule)
+
+
 def summary(cfg: Config, run_dir: Path, changed: list[str]) -> str:
     t, o = cfg.trainer, cfg.optim
     world = world_size(cfg)
@@ -50,7 +59,7 @@ def summary(cfg: Config, run_dir: Path, changed: list[str]) -> str:
     rows = [
         ("run dir", str(run_dir)),
         ("world", f"{world} processes = {t.nodes} node(s) x {procs_per_node(cfg)}, backend {resolve_backend(t.backend, t.gpus)}"),
-        ("strategy", STRATEGY_NOTES[t.strategy].format(world=world, microbatches=t.microbatches, schedule=t.pipeline_schedule)),
+        ("strategy", _strategy(cfg, world)),
         ("devices", _devices(cfg)),
         ("model", describe_target(cfg.model)),
         ("task", describe_target(cfg.task)),

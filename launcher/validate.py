@@ -200,6 +200,12 @@ def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
         if t.precision == "fp16":
             problems.append(f"trainer.precision=fp16 needs a gradient scaler, which trainer.strategy={t.strategy} does not "
                             f"use here: use trainer.precision=bf16 (no scaler needed).")
+    copies = t.fsdp_replicate
+    if copies < 0 or (copies > 0 and world_size(cfg) % copies):
+        problems.append(f"trainer.fsdp_replicate={copies}: the copies of the sharded model must divide the world size "
+                        f"({world_size(cfg)} processes) evenly: use a divisor of it, or 0 for one copy per node.")
+    elif copies > 1 and t.strategy != "fsdp":
+        problems.append(f"trainer.fsdp_replicate={copies} applies to trainer.strategy=fsdp only: leave it out.")
     if t.fsdp_cpu_offload and (t.strategy != "fsdp" or t.gpus == 0):
         problems.append("trainer.fsdp_cpu_offload=true needs trainer.strategy=fsdp on GPUs (trainer.gpus > 0).")
     if t.strategy != "pipeline":

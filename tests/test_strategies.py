@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from conftest import IDENTITY, final_checkpoint, read_metrics
+from train import stepdir
+from train.checkpoint import committed
 from train.models import mlp
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
@@ -141,3 +143,21 @@ def test_fsdp_bf16_keeps_batchnorm_in_float32(launch, tmp_path):
     assert not torch.equal(model["stem.1.running_var"], torch.ones_like(model["stem.1.running_var"]))  # it ran
     [evaluation] = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"]
     assert 0 < evaluation["loss"] < 10
+
+
+def test_hsdp_2_copies_of_2_shards_reach_the_weights_of_ddp(launch, tmp_path):
+    """4 processes as a 2 x 2 device mesh (shard within a copy, all-reduce between the copies), with gradient
+    clipping (each shard's norm counted once, not once per copy): ddp's weights within 1e-5."""
+    clip = ["trainer.grad_clip=0.5"]
+    proc = launch(*IDENTITY, "trainer.strategy=fsdp", "trainer.procs_per_node=4", "trainer.fsdp_replicate=2",
+                  "data.batch_size=8", *clip, f"hydra.run.dir={tmp_path / 'hsdp'}")
+    assert proc.returncode == 0 and "2 copies of the model, each sharded 2 ways" in proc.stdout
+    assert launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", *clip,
+                  f"hydra.run.dir={tmp_path / 'ddp'}").returncode == 0
+    hsdp, ddp = final_checkpoint(tmp_path / "hsdp"), final_checkpoint(tmp_path / "ddp")
+    assert hsdp["step"] == ddp["step"] == 24
+    assert_same_weights(hsdp["model"], ddp["model"])
+    manifest = stepdir.read_manifest(committed(tmp_path / "hsdp" / "checkpoints")[-1].path)
+    assert manifest["world_size"] == 4
+    shards = memory(tmp_path / "hsdp")
+    assert shards["rank3_param_mb"] == pytest.approx(memory(tmp_path / "ddp")["rank0_param_mb"] / 2, rel=0.02)

@@ -81,6 +81,7 @@ class TrainerConfig:
     strategy: str = "ddp"  # ddp (copy the model, split the batch) | fsdp (shard parameters, grads, optimizer state) | pipeline (a stage of blocks per process)
     microbatches: int = 4  # pipeline: microbatches each batch is cut into (data.batch_size must divide evenly)
     pipeline_schedule: str = "1f1b"  # pipeline: gpipe (all forwards, then all backwards) | 1f1b (alternating: fewer activations held)
+    fsdp_replicate: int = 0  # fsdp: copies of the sharded model (HSDP, a 2-D mesh: shard within, all-reduce across); 0: one per node; 1: shard over all ranks
     fsdp_cpu_offload: bool = False  # fsdp on GPUs: keep parameters, gradients and optimizer state in host memory
     bucket_cap_mb: int = 25  # DDP: size of the gradient buckets all-reduced while the backward pass goes on
     static_graph: bool = False  # DDP: the same parameters are used in every step (lets DDP skip per-step checks)

@@ -113,15 +113,16 @@ class DDPStrategy(Strategy):
 
 
 @torch.no_grad()
-def clip_global_norm(grads: list[torch.Tensor], max_norm: float, device: torch.device) -> torch.Tensor:
+def clip_global_norm(grads: list[torch.Tensor], max_norm: float, device: torch.device, copies: int = 1) -> torch.Tensor:
     """Clip gradients held in pieces across ranks (shards, stages) by the norm of all of them, as
     nn.utils.clip_grad_norm_ would on the whole: each rank's sum of squares is all-reduced on `device` (where the
-    backend reduces), then every piece is scaled by the same factor. Collective. Returns the total norm."""
+    backend reduces), then every piece is scaled by the same factor. `copies`: how many ranks hold each piece (HSDP's
+    replicas), counted once. Collective. Returns the total norm."""
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         squares += g.float().square().sum().to(device)
     dist.all_reduce(squares)
-    total = squares.sqrt()
+    total = (squares / copies).sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(scale.to(g.device, g.dtype))

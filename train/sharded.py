@@ -1,7 +1,8 @@
 """`trainer.strategy=fsdp`: fully sharded data parallelism with PyTorch's FSDP2 (`fully_shard`).
 
-Each declared block of the model (see `train.models.blocks`) and then the root are sharded over all ranks: a
-rank keeps 1/world of every parameter, its gradient and its optimizer state, gathers a block's parameters just
+Each declared block of the model (see `train.models.blocks`) and then the root are sharded over the ranks of a
+node (HSDP: one copy of the sharded model per node, `trainer.fsdp_replicate`, on a 2-D device mesh): a rank keeps
+1/(ranks per copy) of every parameter, its gradient and its optimizer state, gathers a block's parameters just
 before using it and frees them after. The batch is split as under DDP, so the two reach the same weights.
 
 Parameters are sharded contiguous: `fully_shard` refuses other layouts. With channels_last (`trainer.memory_format`)
@@ -9,10 +10,10 @@ the batches stay channels_last and the convolutions keep that layout for their a
 the input or the weight). Under bf16, parameters are gathered in bf16 except those of BatchNorm layers, whose
 running statistics are float32 (their own float32 group); gradients are reduced in float32.
 
-Checkpoints hold full state dicts gathered onto rank 0 (`torch.distributed.checkpoint.state_dict` with
-full_state_dict): the same single file, the same `"model"` a single device loads, resumable under fsdp at any
-world size. The price is that rank 0 must hold the whole model in host memory while saving; a model too big for
-that needs sharded checkpoints (torch.distributed.checkpoint.save), which this project does not write yet.
+Checkpoints are sharded step directories by default (checkpoint.format=dcp, train/stepdir.py). With
+checkpoint.format=file they hold full state dicts gathered onto rank 0 (`torch.distributed.checkpoint.state_dict`
+with full_state_dict): a single file whose `"model"` a single device loads, at the price of rank 0 holding the
+whole model in host memory while saving.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ from train.config import TrainerConfig
 from train.dist import DistEnv
 from train.models import blocks
 from train.parallel import Strategy, clip_global_norm
+
+def replica_groups(cfg: TrainerConfig, env: DistEnv) -> int:
+    """How many copies of the sharded model there are (HSDP): trainer.fsdp_replicate, or with 0 one per node, so that
+    the parameter all-gathers and gradient reduce-scatters of every step stay within a node (NVLink) and only the
+    all-reduce between the copies crosses nodes."""
+    if cfg.fsdp_replicate > 0:
+        return cfg.fsdp_replicate
+    return max(1, env.world_size // env.local_world_size)
+
 
 FLOAT32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
 
@@ -66,7 +76,12 @@ class FSDPStrategy(Strategy):
     def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv, device: torch.device):
         super().__init__(model, cfg, env, device)
         model.to(memory_format=torch.contiguous_format)
-        mesh = init_device_mesh(device.type, (env.world_size,))
+        self.copies = replica_groups(cfg, env)  # HSDP: every shard is held by this many ranks
+        if self.copies > 1:
+            mesh = init_device_mesh(device.type, (self.copies, env.world_size // self.copies),
+                                    mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (env.world_size,))
         offload = CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy()
         policy = {"mesh": mesh, "offload_policy": offload}
         if cfg.compile:
@@ -85,7 +100,7 @@ class FSDPStrategy(Strategy):
         """By the norm of the whole gradient: each rank's shards, summed over ranks on the training device (with CPU
         offload the shards are in host memory, and NCCL reduces only GPU tensors)."""
         grads = [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
-        clip_global_norm(grads, max_norm, self.device)
+        clip_global_norm(grads, max_norm, self.device, copies=self.copies)
 
     def model_state(self) -> dict:
         return get_model_state_dict(self.model, options=GATHER)
