@@ -110,6 +110,15 @@ def test_batch_size_below_one(tmp_path):
     assert "data.batch_size=0 must be at least 1" in problems("data.batch_size=0", run_dir=tmp_path)
 
 
+def test_bad_checkpoint_and_sharding_settings_are_refused_with_the_fix(tmp_path):
+    message = problems("checkpoint.format=zip", "checkpoint.async_save=true", run_dir=tmp_path)
+    assert "checkpoint.format='zip' is not one of: auto, file, dcp" in message
+    message = problems("checkpoint.async_save=true", run_dir=tmp_path)  # ddp: auto means file
+    assert "checkpoint.async_save=true writes step directories: add checkpoint.format=dcp" in message
+    message = problems("trainer.strategy=fsdp", "trainer.procs_per_node=4", "trainer.fsdp_replicate=3", run_dir=tmp_path)
+    assert "trainer.fsdp_replicate=3: the copies of the sharded model must divide the world size (4 processes)" in message
+
+
 def test_a_misspelt_model_argument_is_named_with_the_fix(tmp_path):
     message = problems("+model.widht=8", run_dir=tmp_path)
     assert "model.widht: train.models.cnn has no argument 'widht' (did you mean model.width?)" in message

@@ -39,6 +39,7 @@ def fsdp_run(tmp_path_factory):
                    f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
     assert proc.returncode == 0
     assert "fsdp: parameters, gradients and optimizer state sharded 2 ways" in proc.stdout
+    assert "the model was built on the meta device" in proc.stderr  # trainer.meta_init, the default under fsdp
     return tmp / "run"
 
 

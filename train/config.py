@@ -82,6 +82,7 @@ class TrainerConfig:
     microbatches: int = 4  # pipeline: microbatches each batch is cut into (data.batch_size must divide evenly)
     pipeline_schedule: str = "1f1b"  # pipeline: gpipe (all forwards, then all backwards) | 1f1b (alternating: fewer activations held)
     fsdp_replicate: int = 0  # fsdp: copies of the sharded model (HSDP, a 2-D mesh: shard within, all-reduce across); 0: one per node; 1: shard over all ranks
+    meta_init: bool = True  # fsdp: build the model on the meta device and give each rank only its shards (same initial values); falls back to a full build where the model's init cannot be replayed
     fsdp_cpu_offload: bool = False  # fsdp on GPUs: keep parameters, gradients and optimizer state in host memory
     bucket_cap_mb: int = 25  # DDP: size of the gradient buckets all-reduced while the backward pass goes on
     static_graph: bool = False  # DDP: the same parameters are used in every step (lets DDP skip per-step checks)

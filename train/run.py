@@ -11,7 +11,9 @@ import gc
 import json
 import logging
 import os
+import resource
 import socket
+import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ from train.data import Datasets, TensorData, build_datasets
 from train.dist import DistEnv
 from train.evaluate import evaluate
 from train.metrics import build_metrics
+from train.meta_init import Unsupported, build_on_meta, materialise
 from train.loader import LoaderBatches, loader_eval_batches
 from train.optim import Plan, build_scheduler, make_plan, replica_rank, replicas, train_size
 from train.streams import StreamBatches, stream_eval_batches
@@ -107,6 +110,7 @@ class Run:
     watchdog: Watchdog
     batches: object  # this rank's training batches (train_source)
     flops_per_token: float  # the model's training FLOPs per token, if it says (for MFU); else 0
+    startup_peak_bytes: int = 0  # this process's peak host memory once built (the model, its shards, a checkpoint)
 
 
 def resume_state(ckpt: CheckpointManager, env: DistEnv, watchdog: Watchdog) -> dict | None:
@@ -128,13 +132,14 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     data = stage(build_datasets(cfg.data, replica_rank(cfg, env), replicas(cfg, env.world_size)), device)
     plan = make_plan(cfg, env.world_size, train_size(data.train, cfg))
     task = build_task(cfg)
-    torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank
-    model = build_model(cfg)
+    model, recipes = build_initial_model(cfg)
     flops = flops_per_token(model)
     if cfg.trainer.activation_checkpointing:
         checkpoint_blocks(model)
     fmt = memory_format(cfg.trainer, model, device)
-    strategy = build_strategy(place(model, device, fmt), cfg.trainer, env, device)
+    strategy = build_strategy(model if recipes else place(model, device, fmt), cfg.trainer, env, device)
+    if recipes:
+        materialise(strategy.model, recipes, device)
     optimizer = build_optimizer(cfg.optim, strategy.model, plan.lr)
     scheduler = build_scheduler(optimizer, cfg.optim.schedule, plan)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.trainer.precision == "fp16")
@@ -143,13 +148,14 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     saving = saving or control
     ckpt = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint, is_writer=env.is_main,
                              fmt=checkpoint_format(cfg), group=saving, paused=watchdog.paused)
-    progress = Progress()
+    progress, started = Progress(), time.perf_counter()
     state = resume_state(ckpt, env, watchdog)
     if state is not None:
         parts = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, plan=plan, env=env,
                      config=to_dict(cfg), group=saving)
         progress = restore_state(state, **parts)
         ckpt.saved_step = progress.step
+        progress.load_s = time.perf_counter() - started
     batches = train_source(cfg, data.train, strategy, plan, device, fmt)
     if state is not None and state.get("data") and state["world_size"] == plan.world_size \
             and state["global_batch"] == plan.global_batch:
@@ -158,14 +164,30 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
         cfg, run_dir, env, device, data, task, plan, strategy, fmt, optimizer, scheduler, scaler,
         build_autocast(cfg.trainer.precision, device), ckpt, progress, resumed=state is not None, control=control,
         watchdog=watchdog, batches=batches, flops_per_token=flops,
+        startup_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: kB
     )
 
 
-def save_checkpoint(run: Run, is_best: bool = False) -> None:
+def build_initial_model(cfg: TrainConfig):
+    """The model with the same initial weights on every rank: built whole, or under fsdp with trainer.meta_init on
+    the meta device, with the recipes that give each rank its shards once sharded (train/meta_init.py)."""
+    torch.manual_seed(cfg.trainer.seed)
+    if cfg.trainer.strategy == "fsdp" and cfg.trainer.meta_init:
+        try:
+            model, recipes = build_on_meta(lambda: build_model(cfg))
+            log.info("trainer.meta_init: the model was built on the meta device; each rank fills in its shards only")
+            return model, recipes
+        except Unsupported as why:
+            log.warning("trainer.meta_init: building the whole model on every rank instead (%s)", why)
+            torch.manual_seed(cfg.trainer.seed)
+    return build_model(cfg), None
+
+
+def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
     """Every rank takes part: gathering RNG states and data positions are collectives, and so are gathering the
     model's parts onto rank 0 (format file, under fsdp or pipeline) or writing them in parallel (format dcp). A
     single file is written by rank 0 alone, beating its watchdog per chunk, while the others wait for it."""
-    step = run.progress.step
+    step, started = run.progress.step, time.perf_counter()
     if run.ckpt.saved_step == step:
         if is_best:
             run.ckpt.wait()  # best/ links the files of the step being written
@@ -182,6 +204,8 @@ def save_checkpoint(run: Run, is_best: bool = False) -> None:
     if tensors is None:
         with run.watchdog.paused("waiting for rank 0 to write the checkpoint"):
             torch.distributed.barrier(group=run.control)
+    if metrics is not None:  # how long training stood still for this save (with async_save: the staging copy)
+        metrics.log("checkpoint", step, {"stall_s": time.perf_counter() - started, "async": float(run.ckpt.background is not None)})
 
 
 def describe_schedule(run: Run) -> str:
@@ -211,14 +235,15 @@ def log_memory(run: Run, metrics, console, step: int, activations: int) -> None:
     shows up by rank. Collective."""
     params, state = run.strategy.memory(run.optimizer)
     peak = torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else 0
-    mine = torch.tensor([params, state, activations, peak], dtype=torch.float64, device=run.device)
+    startup = run.startup_peak_bytes
+    mine = torch.tensor([params, state, activations, peak, startup], dtype=torch.float64, device=run.device)
     table = [torch.empty_like(mine) for _ in range(run.env.world_size)]
     torch.distributed.all_gather(table, mine)
     values, parts = {}, []
     for rank, row in enumerate(table):
-        params_mb, state_mb, activations_mb, peak_mb = (v / 2**20 for v in row.tolist())
+        params_mb, state_mb, activations_mb, peak_mb, startup_mb = (v / 2**20 for v in row.tolist())
         values.update({f"rank{rank}_param_mb": params_mb, f"rank{rank}_optim_mb": state_mb,
-                       f"rank{rank}_activation_mb": activations_mb})
+                       f"rank{rank}_activation_mb": activations_mb, f"rank{rank}_startup_host_peak_mb": startup_mb})
         if run.device.type == "cuda":
             values[f"rank{rank}_peak_mb"] = peak_mb
         parts.append(f"rank {rank} {params_mb:.1f} + {state_mb:.1f} + {activations_mb:.1f} MB"
@@ -279,7 +304,7 @@ def evaluate_and_save(run: Run, metrics, console) -> dict[str, float]:
         progress.best_metric = value
     progress.eval_step = progress.step
     run.ckpt.saved_step = -1  # a file of this step written before the evaluation would carry a stale best metric
-    save_checkpoint(run, is_best)
+    save_checkpoint(run, is_best, metrics)
     return result
 
 
@@ -294,6 +319,8 @@ def fit(run: Run) -> Outcome:
         record = {**plan.to_dict(), "hosts": hosts, "threads_per_process": torch.get_num_threads()}
         (run.run_dir / PLAN_FILE).write_text(json.dumps(record, indent=2) + "\n")
     console.print(describe_plan(run))
+    if run.resumed:
+        metrics.log("checkpoint", progress.step, {"load_s": progress.load_s})
     stop = StopRequest(cfg.trainer.stop_signals, cfg.trainer.stop_check_every, run.control)
     batches = run.batches
     # Not under compile: recording events inside the compiled forward would split its graph.
@@ -336,12 +363,12 @@ def fit(run: Run) -> Outcome:
             result = evaluate_and_save(run, metrics, console)
             meter.restart_clock()
         elif run.ckpt.due(progress.step):
-            save_checkpoint(run)
+            save_checkpoint(run, metrics=metrics)
             meter.restart_clock()
         if progress.step >= plan.stop_step:
             break
         if stop.agreed(progress.step):  # after the evaluation of an epoch that ends here, never instead of it
-            save_checkpoint(run)
+            save_checkpoint(run, metrics=metrics)
             stopped = True
             break
 

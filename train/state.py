@@ -32,6 +32,7 @@ class Progress:
     step: int = 0  # optimizer steps taken
     best_metric: float | None = None  # best value so far of the monitored evaluation metric (for best.pt)
     eval_step: int = -1  # the step of the last evaluation (an epoch end without one is evaluated on resume)
+    load_s: float = 0.0  # how long choosing, verifying and loading the checkpoint took (on resume)
 
 
 def seed_rank(seed: int) -> None:
