@@ -34,10 +34,13 @@ class Setup:
     layers: int
     steps: int
     every: int
+    memory_hidden: int  # the model of the start-up memory runs: many layers, so that one tensor is a small part
+    memory_layers: int
 
 
-FULL = Setup(hidden=4096, layers=3, steps=24, every=4)  # 34.6 M parameters: 138 MB of weights, 277 MB of state
-SMOKE = Setup(hidden=64, layers=1, steps=4, every=2)
+# 34.6 M parameters (138 MB of weights, 277 MB of state); for memory 12 layers of 2048: 51 M parameters, 202 MB
+FULL = Setup(hidden=4096, layers=3, steps=24, every=4, memory_hidden=2048, memory_layers=12)
+SMOKE = Setup(hidden=64, layers=1, steps=4, every=2, memory_hidden=64, memory_layers=2)
 FORMATS = {
     "file": ["checkpoint.format=file"],
     "dcp": ["checkpoint.format=dcp"],
@@ -45,10 +48,10 @@ FORMATS = {
 }
 
 
-def common(setup: Setup, procs: int) -> list[str]:
+def common(setup: Setup, procs: int, hidden: int = 0, layers: int = 0) -> list[str]:
     return [
         "data=synthetic", "data.num_samples=4096", "data.batch_size=16", "model=mlp",
-        f"model.hidden=[{','.join([str(setup.hidden)] * setup.layers)}]", "trainer.strategy=fsdp",
+        f"model.hidden=[{','.join([str(hidden or setup.hidden)] * (layers or setup.layers))}]", "trainer.strategy=fsdp",
         f"trainer.procs_per_node={procs}", "trainer.progress=off", "trainer.eval_every=0", "trainer.epochs=1",
         f"trainer.log_every={setup.every}", f"checkpoint.every_steps={setup.every}", "checkpoint.keep_last=2",
     ]
@@ -82,7 +85,7 @@ def startup_memory(setup: Setup, scratch: Path, world_sizes: list[int]) -> dict:
     for procs in world_sizes:
         for meta in (False, True):
             run_dir = scratch / f"memory_{procs}_{meta}"
-            records = launch([*common(setup, procs), f"trainer.meta_init={str(meta).lower()}", "trainer.max_steps=1",
+            records = launch([*common(setup, procs, setup.memory_hidden, setup.memory_layers), f"trainer.meta_init={str(meta).lower()}", "trainer.max_steps=1",
                               "checkpoint.every_steps=0"], run_dir)
             [memory] = [r for r in records if r["kind"] == "memory"]
             peaks = [memory[f"rank{r}_startup_host_peak_mb"] for r in range(procs)]
@@ -96,8 +99,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny model and few steps: checks the script only")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--memory-only", action="store_true", help="measure start-up memory only (into --out)")
     args = parser.parse_args(argv)
     setup = SMOKE if args.smoke else FULL
+    if args.memory_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            memory = startup_memory(setup, Path(tmp), [1, 2] if args.smoke else [1, 2, 4])
+        if args.out:
+            result = json.loads(args.out.read_text()) if args.out.exists() else {}
+            args.out.write_text(json.dumps({**result, "setup": setup.__dict__, "startup_memory": memory}, indent=2) + "\n")
+        return memory
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         result = {

@@ -18,6 +18,8 @@ through a view, a private generator) is reported by `Unsupported`, and the calle
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -29,6 +31,16 @@ CONTENT_FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_
 
 class Unsupported(RuntimeError):
     pass
+
+
+def _release_freed_memory() -> None:
+    """Hand freed heap pages back to the system. glibc raises its mmap threshold after large frees, so the scratch
+    and full tensors made one at a time here would otherwise stay in the process's heap, and its resident memory
+    would grow as if they were all alive. No-op where there is no glibc."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _name(func) -> str:
@@ -52,6 +64,7 @@ class _Recorder(TorchDispatchMode):
             # random one moves the generator on as a full build would; replayed later from the same state.
             state = torch.get_rng_state()
             func(*args, **{**kwargs, "device": torch.device("cpu")})
+            _release_freed_memory()
             self.recipes[_key(out)] = [(func, args, kwargs, state, name in CONTENT_FREE)]
             self.keep.append(out)
         elif name.endswith("_") and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
@@ -70,6 +83,7 @@ class _Recorder(TorchDispatchMode):
         if name in RANDOM:
             state = torch.get_rng_state()
             func(torch.empty(target.shape, dtype=target.dtype), *args[1:], **kwargs)  # moves the generator on
+            _release_freed_memory()
         self.recipes[key].append((func, args[1:], kwargs, state))
 
 
@@ -130,3 +144,4 @@ def materialise(model: nn.Module, recipes: dict, device: torch.device) -> None:
         else:
             tensor.copy_(full)
         del full
+        _release_freed_memory()
