@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from train import stepdir
+from train.stepdir import fsync_dir
 from train.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -76,14 +77,6 @@ class CheckpointDamaged(ValueError):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Files on disk
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
@@ -143,9 +136,9 @@ def publish(path: Path, write_data: Callable[[Path], None], sidecar_content: str
     _write_chunks(side_tmp, sidecar_content.encode(), _no_progress)  # first: marks the write as unfinished
     write_data(tmp)
     os.replace(side_tmp, side)  # the commit point
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def recover(directory: Path) -> None:

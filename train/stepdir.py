@@ -35,7 +35,8 @@ HASH_CHUNK = 64 << 20
 Progress = Callable[[], None]
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new file in `directory` durable (the directory entry itself is fsynced)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -121,7 +122,7 @@ def publish(tmp: Path, final: Path) -> None:
             shutil.rmtree(old)
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old.exists():
         shutil.rmtree(old)
 
@@ -183,8 +184,8 @@ def commit(directory: Path, meta: dict, progress: Progress) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, directory / MANIFEST)
-    _fsync_dir(directory)
-    _fsync_dir(directory.parent)
+    fsync_dir(directory)
+    fsync_dir(directory.parent)
 
 
 # ---------------------------------------------------------------------------------------------------------------
