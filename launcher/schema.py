@@ -20,7 +20,7 @@ class LauncherConfig:
     rdzv_endpoint: str = ""  # HOST:PORT of the first node's rendezvous; required when trainer.nodes > 1 (one node: a free port)
     rdzv_id: str = ""  # rendezvous id shared by the nodes of one run; empty derives it from the run directory
     rdzv_timeout_s: int = 900  # how long nodes wait for each other at the rendezvous
-    monitor_interval_s: float = 0.5  # how often the agent checks on its workers
+    monitor_interval_s: float = 0.1  # how often the agent checks on its workers (torchrun's default)
     shutdown_timeout_s: int = 60  # on SIGTERM/Ctrl-C, how long workers get to save before they are killed
     dry_run: bool = False  # validate, write RUN_DIR/config.yaml and print the summary, but start no process
     # launcher=slurm: one job through submitit (see slurm/README.md)
