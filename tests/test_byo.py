@@ -110,8 +110,12 @@ STREAM = ["--config-dir", "conf", "+experiment=diabetes", "data=diabetes_stream"
 
 
 def test_a_stream_resumes_mid_epoch_bitwise_from_its_saved_position(project, tmp_path):
-    """An IterableDataset with state_dict/load_state_dict, 2 loader workers per rank, noise drawn in the workers."""
-    stopped, resumed = assert_resume_is_bitwise(project, STREAM, tmp_path, stop=16, end=22)
+    """An IterableDataset with state_dict/load_state_dict, 2 loader workers per rank, noise drawn in the workers;
+    under fsdp, so the positions travel in a sharded checkpoint's step directory (the fast-forward test below
+    covers a single file)."""
+    run = [*STREAM, "trainer.strategy=fsdp"]
+    stopped, resumed = assert_resume_is_bitwise(project, run, tmp_path, stop=16, end=22)
+    assert "sharded" in stopped  # read from a step directory
     assert "reading and dropping" not in resumed.stderr  # continued from the saved position, not fast-forwarded
     assert [(p["epoch"], p["batches"]) for p in stopped["data"]] == [(1, 5), (1, 5)]  # each rank's own position
     assert all(p["loader"] is not None for p in stopped["data"])
