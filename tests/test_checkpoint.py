@@ -98,8 +98,8 @@ def test_damaged_newest_checkpoint_is_reported_and_skipped(tmp_path, caplog):
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 3])  # truncated, as by a full disk
 
     with caplog.at_level(logging.WARNING):
-        path, state = CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True).newest_loadable()
-    assert path.name == step_file_name(20) and state["step"] == 20
+        state = CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True).choose(rank=0, world_size=1)
+    assert state["step"] == 20  # the step before, from its own file
     assert step_file_name(30) in caplog.text and "does not load" in caplog.text
     # Moved aside: kept for inspection, invisible to resume and to pruning.
     assert (tmp_path / f"{step_file_name(30)}.damaged").exists() and not newest.exists()
@@ -134,8 +134,8 @@ def test_a_checkpoint_carrying_an_executable_pickle_is_refused(tmp_path):
     torch.save(state, tmp_path / step_file_name(5))
     with pytest.raises(ValueError, match="refused: .*pickled objects, which can run arbitrary code"):
         load(tmp_path / step_file_name(5))
-    path, _ = CheckpointManager(tmp_path, CheckpointConfig(), is_writer=True).newest_loadable()
-    assert path is None  # never executed, never resumed from
+    chosen = CheckpointManager(tmp_path, CheckpointConfig(), is_writer=True).choose(rank=0, world_size=1)
+    assert chosen is None  # never executed, never resumed from
 
 
 def test_fresh_start_over_old_checkpoints_is_refused(tmp_path):
@@ -156,7 +156,7 @@ def test_a_bit_flip_is_caught_by_the_checksum(tmp_path, caplog):
     with pytest.raises(ValueError, match="corrupted: its sha256"):
         load(newest)
     with caplog.at_level(logging.WARNING):
-        path, state = CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True).newest_loadable()
+        state = CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True).choose(rank=0, world_size=1)
     assert state["step"] == 1 and "corrupted" in caplog.text
 
 
@@ -206,8 +206,8 @@ def test_after_renumbered_steps_the_newest_commit_wins_and_stale_files_are_prune
     second = CheckpointManager(tmp_path, CheckpointConfig(keep_last=3), is_writer=True)
     second.save(fake_state(30), 30)
     assert [(c.step, c.commit) for c in second.committed()] == [(20, 1), (30, 4)]  # step 40 is gone
-    path, state = CheckpointManager(tmp_path, CheckpointConfig(keep_last=3), is_writer=True).newest_loadable()
-    assert path.name == step_file_name(30) and state["step"] == 30
+    state = CheckpointManager(tmp_path, CheckpointConfig(keep_last=3), is_writer=True).choose(rank=0, world_size=1)
+    assert state["step"] == 30
 
 
 def test_resume_after_a_change_of_global_batch_never_rolls_back(launch, tmp_path):
@@ -240,7 +240,7 @@ def test_an_error_that_is_not_damage_stops_the_resume_and_leaves_the_files_alone
 
     monkeypatch.setattr(checkpoint.torch if isinstance(error, MemoryError) else checkpoint, "load" if isinstance(error, MemoryError) else "_read_chunks", failing)
     with pytest.raises(type(error)):
-        CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True).newest_loadable()
+        CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True).choose(rank=0, world_size=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing renamed *.damaged, nothing removed
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from train import stepdir
+from train.dist import all_gather_objects, broadcast_from_main
 from train.stepdir import fsync_dir
 from train.config import CheckpointConfig
 
@@ -431,14 +432,6 @@ class CheckpointManager:
         for c in kept[: max(0, len(kept) - max(1, self.cfg.keep_last))]:
             _remove(c.path)
 
-    def newest_loadable(self, progress: Progress = _no_progress) -> tuple[Path, dict] | tuple[None, None]:
-        """The newest committed checkpoint that loads, chosen by the writer alone (single files only)."""
-        for c in reversed(self.committed()):
-            state = self._load_file(c.path, progress)
-            if state is not None:
-                return c.path, state
-        return None, None
-
     def choose(self, rank: int, world_size: int, progress: Progress = _no_progress) -> dict | None:
         """The newest committed checkpoint that loads, on every rank (collective over `group`): its state (for a
         step directory, the small trainer state; its tensors are read by `restore`). A damaged one is reported and
@@ -448,7 +441,7 @@ class CheckpointManager:
         A single file is verified and read by the writer first, then by the others; the files of a step directory
         are checked by every rank, each hashing its share."""
         candidates = [str(c.path) for c in reversed(self.committed())] if self.is_writer else []
-        candidates = _broadcast(candidates, self.group)
+        candidates = broadcast_from_main(candidates, self.group)
         state = self._choose(candidates, rank, world_size, progress)
         if dist.is_initialized():
             with self.paused("waiting for every rank to read the checkpoint"):
@@ -461,14 +454,14 @@ class CheckpointManager:
             if not name.endswith(".pt"):  # a step directory
                 problem = stepdir.verify(path, rank, world_size, progress)
                 with self.paused("waiting for every rank to check the checkpoint"):
-                    problems = [p for p in _gather(problem, world_size, self.group) if p]
+                    problems = [p for p in all_gather_objects(problem, self.group) if p]
                 if problems:
                     self._move_aside(path, problems[0])
                     continue
                 return stepdir.load_trainer_state(path)
             state = self._load_file(path, progress) if self.is_writer else None
             with self.paused("waiting for rank 0 to read the checkpoint"):
-                loadable = _broadcast(state is not None, self.group)
+                loadable = broadcast_from_main(state is not None, self.group)
             if loadable:
                 return state if self.is_writer else load(path, progress=progress)
         return None
@@ -490,19 +483,3 @@ class CheckpointManager:
         os.replace(path, aside)
         sidecar(path).unlink(missing_ok=True)
 
-
-def _broadcast(value, group):
-    """Rank 0's `value` on every rank (as it is without a process group: a lone process)."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def _gather(value, world_size: int, group) -> list:
-    if not dist.is_initialized():
-        return [value]
-    values: list = [None] * world_size
-    dist.all_gather_object(values, value, group=group)
-    return values

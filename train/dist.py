@@ -112,6 +112,24 @@ def control_group() -> dist.ProcessGroup:
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
+def all_gather_objects(value, group=None) -> list:
+    """Every rank's `value`, in rank order (collective over `group`); `[value]` in a lone process without a group."""
+    if not dist.is_initialized():
+        return [value]
+    values: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def broadcast_from_main(value, group=None):
+    """Rank 0's `value` on every rank (collective over `group`); `value` itself in a lone process without a group."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
 def cleanup() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

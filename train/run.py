@@ -38,7 +38,7 @@ from train.streams import StreamBatches, stream_eval_batches
 from train.throughput import flops_per_token, peak_tflops
 from train.parallel import Strategy, memory_format, place
 from train.strategies import build_strategy
-from train.state import Progress, build_state, gather, gather_rng, restore_state, seed_rank, sharded_parts
+from train.state import Progress, build_state, gather_rng, restore_state, seed_rank, sharded_parts
 from train.status import write_status
 from train.step import ForwardClock, Meter, SavedActivations, build_autocast, train_step
 from train.stopping import StopRequest
@@ -204,11 +204,11 @@ def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
             run.ckpt.wait()  # best/ links the files of the step being written
             run.ckpt.mark_best(step)
         return
-    tensors, plain = sharded_parts(run.env, run.strategy, run.optimizer) if run.ckpt.format == "dcp" else (None, None)
+    tensors, plain = sharded_parts(run.strategy, run.optimizer) if run.ckpt.format == "dcp" else (None, None)
     state = build_state(
         strategy=run.strategy, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
-        progress=run.progress, plan=run.plan, rng=gather_rng(run.env), data=gather(run.env, run.batches.state_dict()),
-        config=to_dict(run.cfg), sharded_plain=plain,
+        progress=run.progress, plan=run.plan, rng=gather_rng(),
+        data=distributed.all_gather_objects(run.batches.state_dict()), config=to_dict(run.cfg), sharded_plain=plain,
     )
     run.ckpt.save(state, step, progress=lambda: run.watchdog.beat(step, "writing a checkpoint"), tensors=tensors,
                   best=is_best)
@@ -324,8 +324,7 @@ def fit(run: Run) -> Outcome:
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     console = build_console(env, cfg.trainer.progress, plan.stop_step, progress.step)
     metrics = build_metrics(env, run.run_dir, progress.step, hparams={**to_dict(cfg), "plan": plan.to_dict()})
-    hosts: list = [None] * env.world_size
-    torch.distributed.all_gather_object(hosts, socket.gethostname())  # where each rank runs, for the record
+    hosts = distributed.all_gather_objects(socket.gethostname())  # where each rank runs, for the record
     if env.is_main:
         record = {**plan.to_dict(), "hosts": hosts, "threads_per_process": torch.get_num_threads()}
         (run.run_dir / PLAN_FILE).write_text(json.dumps(record, indent=2) + "\n")

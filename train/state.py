@@ -14,11 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from train import stepdir
 from train.config import flatten
-from train.dist import DistEnv
+from train.dist import DistEnv, all_gather_objects
 from train.optim import Plan
 from train.parallel import Strategy
 
@@ -63,16 +62,9 @@ def restore_rng(state: dict) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def gather_rng(env: DistEnv) -> list[dict]:
+def gather_rng() -> list[dict]:
     """Every rank's RNG state, in rank order (collective)."""
-    return [_to_cpu(s) for s in gather(env, capture_rng())]
-
-
-def gather(env: DistEnv, mine) -> list:
-    """Every rank's `mine`, in rank order (collective)."""
-    values: list = [None] * env.world_size
-    dist.all_gather_object(values, mine)
-    return values
+    return [_to_cpu(s) for s in all_gather_objects(capture_rng())]
 
 
 def _to_cpu(state: dict) -> dict:
@@ -195,12 +187,12 @@ def restore_sharded(state: dict, strategy: Strategy, optimizer: torch.optim.Opti
     strategy.load_sharded_state(optimizer, target)
 
 
-def sharded_parts(env: DistEnv, strategy: Strategy, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def sharded_parts(strategy: Strategy, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """(this rank's tensors, every rank's non-tensor leaves) of the sharded state (collective: gathers the
     latter, which are small: a user optimizer's counters, a module's extra state)."""
     tensors, plain = stepdir.split(strategy.sharded_state(optimizer))
     merged: dict = {}
-    for part in gather(env, {k: v for k, v in plain.items() if not k.startswith("optimizer/param_groups")}):
+    for part in all_gather_objects({k: v for k, v in plain.items() if not k.startswith("optimizer/param_groups")}):
         merged.update(part)
     return tensors, merged
 
