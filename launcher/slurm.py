@@ -72,6 +72,7 @@ class SlurmTask:
         from train.run import main
 
         export_env_from_slurm()
+        clear_unfinished_result()
         outcome = main(self.snapshot)
         if outcome.status == "stopped" and (outcome.signal == self.requeue_signal or
                                            (outcome.signal == "SIGTERM" and being_preempted(os.environ["SLURM_JOB_ID"]))):
@@ -99,10 +100,24 @@ class SlurmTask:
 
 
 def being_preempted(job_id: str) -> bool:
-    """Whether SLURM has chosen this job for preemption: `scontrol show job` gives it a PreemptTime."""
+    """Whether SLURM has chosen this job for preemption (`scontrol show job` gives it a PreemptTime), or this
+    attempt is already requeued: each rank asks on its own, and once rank 0 has requeued the job SLURM clears the
+    PreemptTime; a rank that asked after that and returned would let submitit write this attempt's result while
+    SLURM kills it (a half-written result file failed the requeued attempt at its end)."""
     shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
     fields = dict(item.partition("=")[::2] for item in shown.split())
-    return fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
+    restarts = fields.get("Restarts", "0")
+    requeued = restarts.isdigit() and int(restarts) > int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    return requeued or fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
+
+
+def clear_unfinished_result() -> None:
+    """Remove this task's result file that an earlier attempt of the job began and SLURM's requeue cut short:
+    submitit refuses to write the result over it, and the attempt that finishes the training would fail."""
+    from submitit import JobEnvironment
+
+    result = JobEnvironment().paths.result_pickle
+    result.with_suffix(result.suffix + ".save_tmp").unlink(missing_ok=True)
 
 
 def node_cpus(partition: str) -> int:

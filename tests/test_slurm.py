@@ -17,7 +17,7 @@ import torch
 from conftest import FAST, final_checkpoint, logged_steps, read_metrics
 from conftest import wait_for as _wait_for
 from launcher.jobs import job_state
-from launcher.slurm import export_env_from_slurm, slurm_folder
+from launcher.slurm import clear_unfinished_result, export_env_from_slurm, slurm_folder
 
 DEFAULT_CONF = "/tmp/slurm-test-cluster/etc/slurm.conf"
 
@@ -244,3 +244,15 @@ def test_each_task_gets_its_share_of_the_node_cpus_and_survives_a_preemption_sig
     explicit = typed("launcher=slurm", "trainer.gpus=8", "launcher.cpus_per_task=3")
     assert executor_parameters(explicit, cpus_per_node=64)["cpus_per_task"] == 3
     assert "cpus_per_task" not in executor_parameters(gpu_job, cpus_per_node=0)  # unknown: left to SLURM
+
+
+def test_a_result_file_an_earlier_attempt_left_half_written_is_cleared_for_this_task_only(tmp_path, monkeypatch):
+    """SLURM's requeue can kill a task while submitit writes its result; the next attempt must not fail on it."""
+    for name, value in {"SUBMITIT_FOLDER": str(tmp_path), "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "7",
+                        "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
+                        "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": "n[1-2]"}.items():
+        monkeypatch.setenv(name, value)
+    for task in (0, 1):
+        (tmp_path / f"7_{task}_result.pkl.save_tmp").write_bytes(b"cut short")
+    clear_unfinished_result()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["7_0_result.pkl.save_tmp"]  # task 0's is task 0's business
