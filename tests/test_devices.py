@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
+
+from conftest import REPO
 
 import train.dist as dist_module
 from train.dist import DistEnv, default_threads, local_device_index
@@ -55,3 +60,39 @@ def test_under_slurm_the_cpus_per_task_are_the_tasks_own(machine):
 def test_under_slurm_a_bound_task_without_cpus_per_task_uses_its_affinity(machine):
     machine(affinity=3, SLURM_STEP_ID="0")
     assert default_threads(NODE) == 3
+
+
+PATIENCE = """
+from datetime import timedelta
+import torch.distributed as dist
+from train.dist import CONTROL_TIMEOUT, control_group, own_group, patient, timeout_of
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=5))
+training = dist.group.WORLD
+assert control_group("gloo") is training  # no second gloo group (and no second event-loop thread) on CPU
+with patient(training):
+    assert timeout_of(training) == CONTROL_TIMEOUT
+    with patient(None):  # nested, and None for the training group
+        assert timeout_of(training) == CONTROL_TIMEOUT
+    assert timeout_of(training) == CONTROL_TIMEOUT
+assert timeout_of(training) == timedelta(seconds=5)
+try:
+    with patient(training):
+        raise OSError("a failed read")
+except OSError:
+    pass
+assert timeout_of(training) == timedelta(seconds=5)
+background = own_group()
+assert timeout_of(background) == CONTROL_TIMEOUT
+with patient(background):
+    assert timeout_of(training) == timedelta(seconds=5)
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_waits_on_io_are_patient_only_while_they_last():
+    """train.dist.patient: the training group's collective limit is lifted inside (a wait on another rank's I/O)
+    and is back afterwards, also when the wait fails."""
+    proc = subprocess.run([sys.executable, "-c", PATIENCE], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

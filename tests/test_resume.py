@@ -85,6 +85,17 @@ def test_checkpoint_io_slower_than_every_limit_is_not_a_hang(launch, tmp_path):
     assert final_checkpoint(run_dir)["step"] == 10
 
 
+def test_a_step_directory_committed_slower_than_every_limit_is_not_a_hang(launch, tmp_path):
+    """Under fsdp (sharded checkpoints) rank 0 takes 7 s to commit while rank 1 waits in the save's last
+    collective, on the training group itself (gloo), whose limit is 5 s outside such waits."""
+    run_dir = tmp_path / "run"
+    limits = ["trainer.hang_timeout_s=5", "trainer.timeout_s=5", "trainer.eval_every=0", f"hydra.run.dir={run_dir}"]
+    run = [*SMALL, "trainer.strategy=fsdp", "checkpoint.format=dcp", *limits]
+    slow = launch(*run, "trainer.max_steps=3", env={**fault_env("slow_commit", rank=0), "FAULT_DELAY_MS": "7000"})
+    assert slow.returncode == 0, "waiting for rank 0's commit was taken for a hang"
+    assert (run_dir / "checkpoints" / "step_00000003" / "manifest.json").is_file()
+
+
 HANDLER = textwrap.dedent(
     """
     import os, signal, sys
@@ -93,7 +104,7 @@ HANDLER = textwrap.dedent(
     from train.stopping import StopRequest
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    stop = StopRequest(["SIGUSR1"], every=1, group=control_group())
+    stop = StopRequest(["SIGUSR1"], every=1, group=control_group("gloo"))
 
     class NoWrites:
         def write(self, text):

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from train import stepdir
-from train.dist import all_gather_objects, broadcast_from_main
+from train.dist import all_gather_objects, broadcast_from_main, patient
 from train.stepdir import fsync_dir
 from train.config import CheckpointConfig
 
@@ -314,6 +314,13 @@ class CheckpointManager:
             recover_step_dirs(directory)
             self.next_commit = max((c.commit for c in committed(directory)), default=LEGACY) + 1
 
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        """Inside: waits on other ranks' I/O, which are neither hangs (the watchdog pauses) nor collective timeouts
+        (the group is patient)."""
+        with self.paused(what), patient(self.group):
+            yield
+
     def due(self, step: int) -> bool:
         return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
 
@@ -337,7 +344,7 @@ class CheckpointManager:
         meta = {"commit": self.next_commit, "step": step, "world_size": dist.get_world_size()}
         self.next_commit += 1
         if self.background is None:
-            with self.paused("writing a sharded checkpoint"):
+            with self.waiting("writing a sharded checkpoint"):
                 self._write_dir(tensors, state, path, meta, best, progress)
         else:
             staged = stepdir.stage(tensors)  # the training stalls for this copy only
@@ -348,7 +355,7 @@ class CheckpointManager:
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        with self.paused("waiting for the checkpoint being written"):
+        with self.waiting("waiting for the checkpoint being written"):
             pending.result()
 
     def close(self) -> None:
@@ -441,10 +448,11 @@ class CheckpointManager:
         A single file is verified and read by the writer first, then by the others; the files of a step directory
         are checked by every rank, each hashing its share."""
         candidates = [str(c.path) for c in reversed(self.committed())] if self.is_writer else []
-        candidates = broadcast_from_main(candidates, self.group)
+        with self.waiting("waiting for rank 0 to list the checkpoints"):
+            candidates = broadcast_from_main(candidates, self.group)
         state = self._choose(candidates, rank, world_size, progress)
         if dist.is_initialized():
-            with self.paused("waiting for every rank to read the checkpoint"):
+            with self.waiting("waiting for every rank to read the checkpoint"):
                 dist.barrier(group=self.group)  # the next collective has the short timeout of training
         return state
 
@@ -453,14 +461,14 @@ class CheckpointManager:
             path = Path(name)
             if not name.endswith(".pt"):  # a step directory
                 problem = stepdir.verify(path, rank, world_size, progress)
-                with self.paused("waiting for every rank to check the checkpoint"):
+                with self.waiting("waiting for every rank to check the checkpoint"):
                     problems = [p for p in all_gather_objects(problem, self.group) if p]
                 if problems:
                     self._move_aside(path, problems[0])
                     continue
                 return stepdir.load_trainer_state(path)
             state = self._load_file(path, progress) if self.is_writer else None
-            with self.paused("waiting for rank 0 to read the checkpoint"):
+            with self.waiting("waiting for rank 0 to read the checkpoint"):
                 loadable = broadcast_from_main(state is not None, self.group)
             if loadable:
                 return state if self.is_writer else load(path, progress=progress)

@@ -7,6 +7,7 @@ single process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -101,15 +102,48 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, timeout
         )
 
 
-# The control group's waits are bounded by the watchdog of the rank they wait for (its exit breaks the connection),
-# not by a clock: a checkpoint write may take an hour on a slow file system and is still not a hang.
+# Waits on another rank's I/O are bounded by the watchdog of the rank they wait for (its exit breaks the
+# connection), not by a clock: a checkpoint write may take an hour on a slow file system and is still not a hang.
 CONTROL_TIMEOUT = timedelta(hours=24)
 
 
-def control_group() -> dist.ProcessGroup:
-    """A gloo group on the CPU, whatever the training backend: stop agreement, and waits on another rank's I/O
-    (which must not count against trainer.timeout_s, the limit of the training collectives)."""
+def control_group(backend: str) -> dist.ProcessGroup:
+    """The CPU group for stop agreement and for waits on another rank's I/O (made `patient` around them).
+
+    Under gloo it is the training group itself: each gloo group costs every process a thread that wakes every 10 ms
+    (gloo's event loop), and on a few cores these wake-ups take time from training (two idle groups: ~5% of a
+    compute-bound step on 2 cores, benchmarks/README.md). Under NCCL, a gloo group of its own (CPU objects)."""
+    return dist.group.WORLD if backend == "gloo" else own_group()
+
+
+def own_group() -> dist.ProcessGroup:
+    """A gloo group apart from training's, always patient: for collectives of another thread (a background save)."""
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+@contextlib.contextmanager
+def patient(group):
+    """Collectives on the gloo `group` may wait up to CONTROL_TIMEOUT inside, rather than trainer.timeout_s: for
+    waits on another rank's I/O. The group's own timeout is back on the way out. None: the training group."""
+    if not dist.is_initialized():
+        yield
+        return
+    group = group or dist.group.WORLD
+    before = timeout_of(group)
+    if before >= CONTROL_TIMEOUT:
+        yield
+        return
+    # torch's setter (torchtitan uses it to shorten the timeout after the first step); applies to collectives
+    # issued from now on.
+    dist.distributed_c10d._set_pg_timeout(CONTROL_TIMEOUT, group)
+    try:
+        yield
+    finally:
+        dist.distributed_c10d._set_pg_timeout(before, group)
+
+
+def timeout_of(group: dist.ProcessGroup) -> timedelta:
+    return group._get_backend(torch.device("cpu")).options._timeout
 
 
 def all_gather_objects(value, group=None) -> list:

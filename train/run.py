@@ -74,7 +74,9 @@ def main(config_path: str | Path) -> Outcome:
     watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s)  # from here on: loading a checkpoint is watched too
     run = None
     try:
-        control, saving = distributed.control_group(), distributed.control_group()
+        control = distributed.control_group(backend)
+        # A background save runs its collectives from another thread: on a group of its own.
+        saving = distributed.own_group() if cfg.checkpoint.async_save else control
         run = build(cfg, config_path.parent, env, device, control, watchdog, saving)
         return fit(run)
     finally:
@@ -117,7 +119,7 @@ class Run:
     ckpt: CheckpointManager
     progress: Progress
     resumed: bool
-    control: torch.distributed.ProcessGroup  # gloo, no collective timeout: waits on another rank's I/O
+    control: torch.distributed.ProcessGroup  # on the CPU (train.dist.control_group): stop agreement, waits on I/O
     watchdog: Watchdog
     batches: object  # this rank's training batches (train_source)
     flops_per_token: float  # the model's training FLOPs per token, if it says (for MFU); else 0
@@ -213,7 +215,7 @@ def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
     run.ckpt.save(state, step, progress=lambda: run.watchdog.beat(step, "writing a checkpoint"), tensors=tensors,
                   best=is_best)
     if tensors is None:
-        with run.watchdog.paused("waiting for rank 0 to write the checkpoint"):
+        with run.watchdog.paused("waiting for rank 0 to write the checkpoint"), distributed.patient(run.control):
             torch.distributed.barrier(group=run.control)
     if metrics is not None:  # how long training stood still for this save (with async_save: the staging copy)
         metrics.log("checkpoint", step, {"stall_s": time.perf_counter() - started, "async": float(run.ckpt.background is not None)})

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from train.dist import patient
+
 # torch.distributed.checkpoint and DTensor are imported where used: importing them takes ~0.8 s, which the
 # launcher (it lists checkpoints through this module) would pay on every start, dry runs and refusals included.
 
@@ -156,7 +158,8 @@ def write_tensors(tensors: dict, directory: Path, group) -> None:
     index, i.e. once every rank's files are complete and fsynced."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), process_group=group)
+    with patient(group):  # its collectives wait for the slowest rank's writes
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), process_group=group)
 
 
 def write_trainer_state(state: dict, directory: Path) -> None:
@@ -240,8 +243,9 @@ def load_tensors(target: dict, directory: Path, group=None) -> None:
     the layout of `target` may differ from the one that was saved)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(target, storage_reader=dcp.FileSystemReader(directory), process_group=group,
-             no_dist=group is None and not torch.distributed.is_initialized())
+    with patient(group):  # its collectives wait for the slowest rank's reads
+        dcp.load(target, storage_reader=dcp.FileSystemReader(directory), process_group=group,
+                 no_dist=group is None and not torch.distributed.is_initialized())
 
 
 def read_model(directory: Path) -> dict:

@@ -9,6 +9,7 @@ restart runs clean):
   FAULT=slow_forward  wait FAULT_DELAY_MS (default 50) inside every training forward pass of this rank: a slow GPU
   FAULT=term    send itself SIGTERM at the start of optimizer step FAULT_STEP (a stop lands on a known step)
   FAULT=kill_in_save  SIGKILL itself while committing the step directory of step FAULT_STEP (see the end)
+  FAULT=slow_commit  wait FAULT_DELAY_MS (default 50) before committing each step directory (every attempt)
   FAULT=slow_io checkpoint reads and writes of this rank (of every rank with FAULT_RANK=all) go in 1 kB chunks,
                 FAULT_DELAY_MS (default 50) each (every attempt: a slow file system, not a crash)
 """
@@ -33,8 +34,21 @@ if os.environ.get("FAULT") == "slow_io" and os.environ.get("FAULT_RANK", "0") in
     train.checkpoint._write_chunks = lambda path, data, progress: write_chunks(path, data, slow(progress))
     train.checkpoint._read_chunks = lambda path, progress: read_chunks(path, slow(progress))
 
+elif os.environ.get("FAULT") == "slow_commit" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0"):
+    import threading
+
+    import train.stepdir
+
+    commit, delay = train.stepdir.commit, int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
+
+    def slow_commit(directory, meta, progress):
+        threading.Event().wait(delay)
+        return commit(directory, meta, progress)
+
+    train.stepdir.commit = slow_commit
+
 elif (
-    os.environ.get("FAULT") not in (None, "", "kill_in_save")
+    os.environ.get("FAULT") not in (None, "", "kill_in_save", "slow_commit")
     and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0")
     and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 ):
