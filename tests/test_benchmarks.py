@@ -77,3 +77,14 @@ def test_gpt_benchmark_runs_both_loops_and_plots_a_loss_curve(tmp_path):
     plotted = run_cli("benchmarks.gpt_tokens", "--curve", str(run), "--png", str(png), cwd=REPO, timeout=120)
     assert plotted.returncode == 0 and "validation loss 2.600" in plotted.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gloo_group_benchmark_compares_idle_groups_and_counts_their_event_loops(tmp_path):
+    out = tmp_path / "groups.json"
+    proc = run_cli("benchmarks.gloo_groups", "--smoke", "--groups", "0,2", "--out", str(out), cwd=REPO, timeout=300)
+    assert proc.returncode == 0
+    report = json.loads(out.read_text())
+    # what the trainer's choice of groups rests on: every gloo group brings one event-loop thread per process
+    assert [r["event_loops"] for r in report["runs"]["0"]] == [1]
+    assert [r["event_loops"] for r in report["runs"]["2"]] == [3]
+    assert report["median_seconds"]["2"] == report["runs"]["2"][0]["seconds"] > 0

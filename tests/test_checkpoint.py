@@ -23,10 +23,10 @@ KILLED_SAVE = textwrap.dedent(
     """
     import builtins, sys
     from pathlib import Path
-    import train.checkpoint as checkpoint
+    import train.stepfile as stepfile
 
     directory = Path(sys.argv[1])
-    state = checkpoint.load(sorted(directory.glob("step_*.pt"))[-1])
+    state = stepfile.load(sorted(directory.glob("step_*.pt"))[-1])
     state["step"] = 99999999
 
     class StallHalfway:
@@ -49,8 +49,8 @@ KILLED_SAVE = textwrap.dedent(
             print("HALFWAY", flush=True)
             sys.stdin.read()  # never returns: the parent kills us here
 
-    checkpoint.open = StallHalfway  # the module's open(): only the checkpoint bytes stall
-    checkpoint.write_atomic(state, directory / "step_99999999.pt")
+    stepfile.open = StallHalfway  # the module's open(): only the checkpoint bytes stall
+    stepfile.write_atomic(state, directory / "step_99999999.pt")
     """
 )
 
@@ -228,7 +228,7 @@ def test_resume_after_a_change_of_global_batch_never_rolls_back(launch, tmp_path
 
 @pytest.mark.parametrize("error", [MemoryError(), OSError(5, "Input/output error")])
 def test_an_error_that_is_not_damage_stops_the_resume_and_leaves_the_files_alone(tmp_path, monkeypatch, error):
-    import train.checkpoint as checkpoint
+    import train.stepfile as stepfile
 
     manager = CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True)
     for step in (1, 2):
@@ -238,7 +238,7 @@ def test_an_error_that_is_not_damage_stops_the_resume_and_leaves_the_files_alone
     def failing(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(checkpoint.torch if isinstance(error, MemoryError) else checkpoint, "load" if isinstance(error, MemoryError) else "_read_chunks", failing)
+    monkeypatch.setattr(stepfile.torch if isinstance(error, MemoryError) else stepfile, "load" if isinstance(error, MemoryError) else "read_chunks", failing)
     with pytest.raises(type(error)):
         CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True).choose(rank=0, world_size=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing renamed *.damaged, nothing removed

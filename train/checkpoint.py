@@ -1,30 +1,16 @@
-"""Checkpoint files: atomic commits, checksums, a commit sequence, keep-last-k plus best, and finding the newest
-one that loads.
-
-A checkpoint is a dict saved with `torch.save` that loads with `torch.load(weights_only=True)`: its "model"
-entry is the plain state_dict of the unwrapped model. Beside every file, `NAME.sha256` holds its checksum in
-`sha256sum -c` format, after a `#` line that records the commit sequence and the step:
-
-    # commit=7 step=30
-    3f5a...  step_00000030.pt
+"""The checkpoints of a run, in either format: saving, committing, keep-last-k plus best, and finding the newest
+one that loads (`CheckpointManager`). The formats: one file per step (train/stepfile.py) or a step directory
+written by every rank (train/stepdir.py).
 
 The newest checkpoint is the one committed last (the highest commit number), not the one with the highest step:
 after a change of global batch the steps are renumbered, and an earlier run's files may carry bigger numbers.
-
-A commit is journaled so that a crash at any moment leaves either the old state or the new one: the sidecar is
-written first under a temporary name (its presence marks the write as unfinished), then the data under a
-temporary name, both fsynced; renaming the sidecar is the commit point, renaming the data follows. On start the
-writer rolls a committed write forward and an unfinished one back (`recover`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import logging
 import os
-import pickle
 import re
 import shutil
 from collections.abc import Callable
@@ -32,12 +18,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from train import stepdir
+from train import stepdir, stepfile
 from train.dist import all_gather_objects, broadcast_from_main, patient
-from train.stepdir import fsync_dir
+from train.stepfile import (
+    CheckpointDamaged, CheckpointSaveError, Progress, load, no_progress, publish, read_sidecar, recover, sidecar,
+    sidecar_text, write_atomic,
+)
 from train.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -46,15 +34,7 @@ STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 STEP_DIR = re.compile(r"^step_(\d+)$")  # checkpoint.format=dcp (train/stepdir.py)
 BEST = "best.pt"
 BEST_DIR = "best"
-REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "epoch", "step_in_epoch", "rng", "config")
-CHUNK_BYTES = 64 << 20  # reads and writes go in chunks: each one is progress (see `Progress`), not a hang
 LEGACY = -1  # the commit number of a file written before commit numbers were recorded: older than any other
-
-Progress = Callable[[], None]  # called after each chunk read or written: the watchdog's heartbeat
-
-
-def _no_progress() -> None:
-    pass
 
 
 def step_file_name(step: int) -> str:
@@ -63,156 +43,6 @@ def step_file_name(step: int) -> str:
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-class CheckpointSaveError(OSError):
-    """A save failed (full disk, quota, I/O error); the previous checkpoint is untouched."""
-
-
-class CheckpointDamaged(ValueError):
-    """The file itself is bad (a failed checksum, an unreadable archive, not a checkpoint): skip it for good.
-
-    Anything else that goes wrong while loading (out of memory, an I/O error of a shared file system) is not
-    damage: it propagates and the files are left alone."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Files on disk
-
-def sidecar(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
-
-
-def _temporary(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp")
-
-
-def _write_chunks(path: Path, data, progress: Progress) -> None:
-    view = memoryview(data)
-    with open(path, "wb") as f:
-        for start in range(0, len(view), CHUNK_BYTES):
-            f.write(view[start : start + CHUNK_BYTES])
-            progress()
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_chunks(path: Path, progress: Progress) -> tuple[bytes, str]:
-    """The file's bytes and their sha256, read chunk by chunk."""
-    digest, parts = hashlib.sha256(), []
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            digest.update(chunk)
-            parts.append(chunk)
-            progress()
-    return b"".join(parts), digest.hexdigest()
-
-
-def sidecar_text(digest: str, name: str, meta: dict[str, int]) -> str:
-    header = " ".join(f"{key}={value}" for key, value in meta.items())
-    return f"# {header}\n{digest}  {name}\n"
-
-
-def read_sidecar(path: Path) -> tuple[str | None, dict[str, int]]:
-    """(digest, metadata) from `path`'s sidecar; (None, {}) when it has none."""
-    try:
-        text = sidecar(path).read_text()
-    except FileNotFoundError:
-        return None, {}
-    digest, meta = None, {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            for item in line[1:].split():
-                key, _, value = item.partition("=")
-                if value.lstrip("-").isdigit():
-                    meta[key] = int(value)
-        elif line.strip():
-            digest = line.split()[0]
-    return digest, meta
-
-
-def publish(path: Path, write_data: Callable[[Path], None], sidecar_content: str) -> None:
-    """Commit a file and its sidecar as one step (see the module docstring for the journal)."""
-    side, side_tmp, tmp = sidecar(path), _temporary(sidecar(path)), _temporary(path)
-    _write_chunks(side_tmp, sidecar_content.encode(), _no_progress)  # first: marks the write as unfinished
-    write_data(tmp)
-    os.replace(side_tmp, side)  # the commit point
-    fsync_dir(path.parent)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def recover(directory: Path) -> None:
-    """Finish what a crash interrupted: roll committed writes forward, unfinished ones back, drop orphans."""
-    for side_tmp in directory.glob(".*.sha256.tmp"):  # not committed: the old files (if any) are intact
-        final = directory / side_tmp.name[1 : -len(".sha256.tmp")]
-        _temporary(final).unlink(missing_ok=True)
-        side_tmp.unlink()
-    for tmp in directory.glob(".*.tmp"):
-        if tmp.is_dir():  # a step directory's (stepdir.recover)
-            continue
-        final = directory / tmp.name[1 : -len(".tmp")]
-        if sidecar(final).exists():  # committed: the data was complete and fsynced before the commit
-            os.replace(tmp, final)
-        else:
-            tmp.unlink()
-    for side in directory.glob("*.sha256"):  # its file was removed (pruning, moved aside) before the sidecar
-        if not side.with_suffix("").exists():
-            side.unlink()
-
-
-def write_atomic(state: dict, path: Path, meta: dict[str, int] | None = None, progress: Progress = _no_progress) -> str:
-    """Write `state` to `path` so that `path` is either absent, the old file, or the complete new file.
-
-    Returns the file's sha256. On failure, nothing is left behind and CheckpointSaveError says what happened.
-    """
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getbuffer()
-    digest = hashlib.sha256(data).hexdigest()
-    try:
-        publish(path, lambda tmp: _write_chunks(tmp, data, progress), sidecar_text(digest, path.name, meta or {}))
-    except OSError as error:
-        _temporary(path).unlink(missing_ok=True)
-        _temporary(sidecar(path)).unlink(missing_ok=True)
-        raise CheckpointSaveError(f"could not save {path}: {error}") from error
-    return digest
-
-
-# The messages of torch.load (and zipfile) for bytes that are not a readable archive.
-UNREADABLE = ("PytorchStreamReader", "central directory", "zip archive", "invalid header", "unexpected EOF")
-
-
-def load(path: Path, map_location: str | torch.device = "cpu", progress: Progress = _no_progress) -> dict:
-    """Load a checkpoint after checking its sha256. Weights only: a file that carries pickled code is refused.
-
-    Raises CheckpointDamaged when the file is bad; any other error (memory, I/O) propagates as it is."""
-    expected, _ = read_sidecar(path)
-    data, actual = _read_chunks(path, progress)
-    if expected is None:
-        log.warning("%s has no %s; loading it unverified", path.name, sidecar(path).name)
-    elif actual != expected:
-        raise CheckpointDamaged(f"{path.name} is corrupted: its sha256 is {actual[:12]}..., {sidecar(path).name} says {expected[:12]}...")
-    try:
-        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as error:
-        if "Weights only load failed" in str(error):
-            raise CheckpointDamaged(
-                f"{path.name} was refused: besides tensors and plain containers it holds pickled objects, which can "
-                f"run arbitrary code when loaded (torch.load weights_only=True refuses them). If you trust the file, "
-                f"load it yourself with weights_only=False and save its plain state_dicts again."
-            ) from None
-        raise CheckpointDamaged(f"{path.name} is not a readable checkpoint ({error})") from error
-    except (RuntimeError, EOFError) as error:
-        unreadable = isinstance(error, EOFError) or any(text in str(error) for text in UNREADABLE)
-        # Verified bytes that do not load, or another error (out of memory), are not damage: let it propagate.
-        if expected is not None or not unreadable:
-            raise
-        raise CheckpointDamaged(f"{path.name} is not a readable archive ({error})") from error
-    missing = [k for k in REQUIRED_KEYS if k not in state] if isinstance(state, dict) else list(REQUIRED_KEYS)
-    if missing:
-        raise CheckpointDamaged(f"{path} is not a training checkpoint (missing {', '.join(missing)})")
-    return state
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -294,7 +124,8 @@ class CheckpointManager:
     directory (`format="dcp"`) by every rank at once, committed by the writer's manifest (train/stepdir.py). With
     `cfg.async_save` a step directory is written by a background thread from a staged copy of the state while
     training goes on; at most one save is in flight, and `wait` (before the next save, at a stop, at the end)
-    finishes it. Collectives of the saves and of choosing a checkpoint go over `group` (gloo, no short timeout)."""
+    finishes it. Collectives of the saves and of choosing a checkpoint go over `group` (gloo), patient while they wait on another
+    rank's I/O (`waiting`)."""
 
     def __init__(self, directory: Path, cfg: CheckpointConfig, is_writer: bool, fmt: str = "file", group=None,
                  paused: Callable[[str], contextlib.AbstractContextManager] = lambda what: contextlib.nullcontext()):
@@ -327,7 +158,7 @@ class CheckpointManager:
     def committed(self) -> list[Committed]:
         return committed(self.directory)
 
-    def save(self, state: dict, step: int, progress: Progress = _no_progress, tensors: dict | None = None,
+    def save(self, state: dict, step: int, progress: Progress = no_progress, tensors: dict | None = None,
              best: bool = False) -> None:
         """Save `state` as the checkpoint of `step`: as one file (it holds the full model and optimizer state), or
         with `tensors` (this rank's shards, format dcp) as a step directory. Every rank calls it."""
@@ -348,7 +179,7 @@ class CheckpointManager:
                 self._write_dir(tensors, state, path, meta, best, progress)
         else:
             staged = stepdir.stage(tensors)  # the training stalls for this copy only
-            self.pending = self.background.submit(self._write_dir, staged, state, path, meta, best, _no_progress)
+            self.pending = self.background.submit(self._write_dir, staged, state, path, meta, best, no_progress)
 
     def wait(self) -> None:
         """Finish the save in flight, if any (every rank). A failed background save raises here."""
@@ -413,7 +244,7 @@ class CheckpointManager:
             try:
                 os.link(source, tmp)
             except OSError:  # file systems without hard links
-                _write_chunks(tmp, source.read_bytes(), _no_progress)
+                stepfile.write_chunks(tmp, source.read_bytes(), no_progress)
 
         publish(self.directory / BEST, link_or_copy, sidecar_text(digest, BEST, meta))
         _remove(self.directory / BEST_DIR)
@@ -439,7 +270,7 @@ class CheckpointManager:
         for c in kept[: max(0, len(kept) - max(1, self.cfg.keep_last))]:
             _remove(c.path)
 
-    def choose(self, rank: int, world_size: int, progress: Progress = _no_progress) -> dict | None:
+    def choose(self, rank: int, world_size: int, progress: Progress = no_progress) -> dict | None:
         """The newest committed checkpoint that loads, on every rank (collective over `group`): its state (for a
         step directory, the small trainer state; its tensors are read by `restore`). A damaged one is reported and
         moved aside as *.damaged (kept for inspection, out of the way of resume and pruning); an error that is

@@ -1,8 +1,8 @@
 """Graceful stop: a signal only sets a flag; the ranks agree at a step boundary, then save together and exit.
 
 Saving inside a signal handler, or on one rank only, is how checkpoints get torn and collectives deadlock. Here
-every `every` steps the ranks start an asynchronous all_reduce (MAX) of "did I get a signal?" on a separate gloo
-group and read it one step later: no device synchronisation and no stall, and every rank reaches the same decision
+every `every` steps the ranks start an asynchronous all_reduce (MAX) of "did I get a signal?" on the CPU group
+(train.dist.control_group) and read it one step later: no device synchronisation and no stall, and every rank reaches the same decision
 at the same step. The handler only sets the flag: it may run in the middle of any write, print included. Not every step: on small models a collective per step costs ~10% of the throughput (measured
 with benchmarks/overhead.py). A second signal ends the process at once (Ctrl-C twice).
 """

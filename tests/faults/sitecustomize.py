@@ -19,11 +19,11 @@ import os
 if os.environ.get("FAULT") == "slow_io" and os.environ.get("FAULT_RANK", "0") in (os.environ.get("RANK"), "all"):
     import threading
 
-    import train.checkpoint
+    import train.stepfile
 
     delay = int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
-    train.checkpoint.CHUNK_BYTES = 1024
-    write_chunks, read_chunks = train.checkpoint._write_chunks, train.checkpoint._read_chunks
+    train.stepfile.CHUNK_BYTES = 1024
+    write_chunks, read_chunks = train.stepfile.write_chunks, train.stepfile.read_chunks
 
     def slow(progress):
         def step():
@@ -31,8 +31,8 @@ if os.environ.get("FAULT") == "slow_io" and os.environ.get("FAULT_RANK", "0") in
             progress()
         return step
 
-    train.checkpoint._write_chunks = lambda path, data, progress: write_chunks(path, data, slow(progress))
-    train.checkpoint._read_chunks = lambda path, progress: read_chunks(path, slow(progress))
+    train.stepfile.write_chunks = lambda path, data, progress: write_chunks(path, data, slow(progress))
+    train.stepfile.read_chunks = lambda path, progress: read_chunks(path, slow(progress))
 
 elif os.environ.get("FAULT") == "slow_commit" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0"):
     import threading
