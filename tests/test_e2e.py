@@ -133,7 +133,7 @@ def test_a_file_user_code_leaves_open_in_a_reference_cycle_is_still_written_at_e
     out = tmp_path / "written.txt"
     code = (
         "import gc\n"
-        "from train.run import freeze_imported_objects\n"
+        "from train.host import freeze_imported_objects\n"
         "freeze_imported_objects()\n"
         "assert gc.get_freeze_count() > 100_000, gc.get_freeze_count()  # torch's objects are out of sight\n"
         "class Holder: pass\n"
@@ -143,3 +143,40 @@ def test_a_file_user_code_leaves_open_in_a_reference_cycle_is_still_written_at_e
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
     assert out.read_text() == "all of it"
+
+
+KEPT_MEMORY = """
+import resource, sys
+import torch
+from train.host import keep_freed_memory
+
+kept = keep_freed_memory() if sys.argv[1] == "keep" else False
+pages = 40 * (4 << 20) // resource.getpagesize()
+
+def step():  # a step's activations: 40 blocks of 4 MB, written, then freed
+    blocks = [torch.ones(1 << 20) for _ in range(40)]
+    del blocks
+
+step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    step()
+print(kept, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5 / pages)
+"""
+
+
+def test_a_worker_keeps_the_memory_a_step_frees_for_the_next_step():
+    """Workers call keep_freed_memory(): the blocks a step frees are reused by the next one, not given back to the
+    kernel and faulted in again (page faults: the share of the step's pages)."""
+    def faults(mode: str, **env: str) -> tuple[str, float]:
+        proc = subprocess.run([sys.executable, "-c", KEPT_MEMORY, mode], capture_output=True, text=True, cwd=REPO,
+                              env={**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}, **env})
+        assert proc.returncode == 0, proc.stderr
+        kept, share = proc.stdout.split()
+        return kept, float(share)
+
+    kept, share = faults("keep")
+    default = faults("default")[1]
+    assert kept == "True" and share < 0.05 and share < default / 3, (share, default)
+    # a user's own malloc tuning is left alone
+    assert faults("keep", MALLOC_ARENA_MAX="2")[0] == "False"

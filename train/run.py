@@ -30,6 +30,7 @@ from train.console import build_console
 from train.data import Datasets, TensorData, build_datasets
 from train.dist import DistEnv
 from train.evaluate import evaluate
+from train.host import freeze_imported_objects, keep_freed_memory
 from train.metrics import build_metrics
 from train.meta_init import Unsupported, build_on_meta, materialise
 from train.loader import LoaderBatches, loader_eval_batches
@@ -59,6 +60,7 @@ class Outcome:
 
 def main(config_path: str | Path) -> Outcome:
     freeze_imported_objects()
+    keep_freed_memory()
     config_path = Path(config_path).resolve()
     cfg = load_config(config_path)
     add_import_path(cfg)
@@ -87,16 +89,6 @@ def main(config_path: str | Path) -> Outcome:
         gc.collect()
         watchdog.close()
         distributed.cleanup()
-
-
-def freeze_imported_objects() -> None:
-    """Take what the imports made (torch's millions of long-lived objects) out of the cyclic garbage collector's
-    sight: they live until exit anyway, and every full collection traversed them (a pause one rank takes while
-    the others wait) and so did the interpreter's exit (~0.7 s of CPU per process and launch). What is made after
-    this (the user's model, data, open files) is collected as before, finalizers included."""
-    import torch._dynamo  # noqa: F401  (DDP, FSDP and compile import it later: frozen with the rest)
-
-    gc.freeze()
 
 
 @dataclass
