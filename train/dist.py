@@ -111,7 +111,7 @@ def control_group(backend: str) -> dist.ProcessGroup:
     """The CPU group for stop agreement and for waits on another rank's I/O (made `patient` around them).
 
     Under gloo it is the training group itself: each gloo group costs every process a thread that wakes every 10 ms
-    (gloo's event loop), and on a few cores these wake-ups take time from training (two idle groups: ~5% of a
+    (gloo's event loop), and on a few cores these wake-ups take time from training (two idle groups: ~3.5% of a
     compute-bound step on 2 cores, benchmarks/README.md). Under NCCL, a gloo group of its own (CPU objects)."""
     return dist.group.WORLD if backend == "gloo" else own_group()
 
