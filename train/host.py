@@ -1,5 +1,5 @@
-"""How a training process uses its host: settings made once, at the start of every worker (under our launcher,
-plain torchrun or SLURM alike), for the interpreter and the C library rather than for torch.
+"""How a training process uses its host: settings made once in every worker (under our launcher, plain torchrun
+or SLURM alike, by train.run.main), for the interpreter and the C library rather than for torch.
 """
 
 from __future__ import annotations

@@ -60,7 +60,6 @@ class Outcome:
 
 def main(config_path: str | Path) -> Outcome:
     freeze_imported_objects()
-    keep_freed_memory()
     config_path = Path(config_path).resolve()
     cfg = load_config(config_path)
     add_import_path(cfg)
@@ -80,6 +79,7 @@ def main(config_path: str | Path) -> Outcome:
         # A background save runs its collectives from another thread: on a group of its own.
         saving = distributed.own_group() if cfg.checkpoint.async_save else control
         run = build(cfg, config_path.parent, env, device, control, watchdog, saving)
+        keep_freed_memory()  # after the build (its peak stays glibc's): the steps free and take back the same memory
         return fit(run)
     finally:
         # DDP's reducer and the strategy hold the process groups. Left to the garbage collector at interpreter
