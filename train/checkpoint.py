@@ -124,8 +124,8 @@ class CheckpointManager:
     directory (`format="dcp"`) by every rank at once, committed by the writer's manifest (train/stepdir.py). With
     `cfg.async_save` a step directory is written by a background thread from a staged copy of the state while
     training goes on; at most one save is in flight, and `wait` (before the next save, at a stop, at the end)
-    finishes it. Collectives of the saves and of choosing a checkpoint go over `group` (gloo), patient while they wait on another
-    rank's I/O (`waiting`)."""
+    finishes it. Collectives of the saves and of choosing a checkpoint go over `group` (gloo), patient while they
+    wait on another rank's I/O (`waiting`)."""
 
     def __init__(self, directory: Path, cfg: CheckpointConfig, is_writer: bool, fmt: str = "file", group=None,
                  paused: Callable[[str], contextlib.AbstractContextManager] = lambda what: contextlib.nullcontext()):
@@ -168,6 +168,9 @@ class CheckpointManager:
             self._save_file(state, step, progress)
             if best:
                 self.mark_best(step)
+            if dist.is_initialized():
+                with self.waiting("waiting for rank 0 to write the checkpoint"):
+                    dist.barrier(group=self.group)  # every rank's save ends when the file is committed
             return
         path = self.directory / step_dir_name(step)
         if self.is_writer:

@@ -206,9 +206,6 @@ def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
     )
     run.ckpt.save(state, step, progress=lambda: run.watchdog.beat(step, "writing a checkpoint"), tensors=tensors,
                   best=is_best)
-    if tensors is None:
-        with run.watchdog.paused("waiting for rank 0 to write the checkpoint"), distributed.patient(run.control):
-            torch.distributed.barrier(group=run.control)
     if metrics is not None:  # how long training stood still for this save (with async_save: the staging copy)
         metrics.log("checkpoint", step, {"stall_s": time.perf_counter() - started, "async": float(run.ckpt.background is not None)})
 
