@@ -14,9 +14,8 @@ from pathlib import Path
 
 import torch
 
-from train import stepdir
 from train.build import add_import_path, build_model
-from train.checkpoint import BEST, BEST_DIR, CheckpointDamaged, checkpoint_dir, committed, load
+from train.checkpoint import BEST, BEST_DIR, CheckpointDamaged, checkpoint_dir, committed, dcp, load
 from train.config import CONFIG_FILE, load_config
 
 
@@ -45,12 +44,16 @@ def find_checkpoint(run_dir: Path, step: int | None = None, best: bool = False) 
 
 
 def model_state(path: Path) -> dict:
-    """The plain model state dict of a checkpoint, verified (sha256 of every file) before it is read."""
+    """The plain model state dict of a checkpoint, verified (sha256 of every file) before it is read; a step
+    directory whose index would run code is refused."""
     if path.is_dir():
-        problem = stepdir.verify(path)
+        problem = dcp.verify(path)
         if problem:
             raise ExportError(f"{problem}: choose another step with --step")
-        return stepdir.read_model(path)
+        try:
+            return dcp.read_model(path)
+        except dcp.UnsafeCheckpoint as error:
+            raise ExportError(str(error)) from None
     try:
         return load(path)["model"]
     except CheckpointDamaged as error:

@@ -167,6 +167,7 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
         problems.append(f"optim.lr={o.lr} must be positive.")
     _at_least(problems, "optim.reference_batch_size", o.reference_batch_size, 1)
     _at_least(problems, "checkpoint.keep_last", cfg.checkpoint.keep_last, 1)
+    _at_least(problems, "checkpoint.io_timeout_s", cfg.checkpoint.io_timeout_s, 0, "0 leaves checkpoint I/O unbounded")
     _at_least(problems, "checkpoint.every_steps", cfg.checkpoint.every_steps, 0, "0 saves only after evaluations")
     if cfg.checkpoint.mode:
         _choice(problems, "checkpoint.mode", cfg.checkpoint.mode, ("min", "max"))

@@ -93,13 +93,12 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 def final_checkpoint(run_dir: Path) -> dict:
     """The newest checkpoint's state, "model" included, in either format (a step directory's model read whole)."""
-    from train import stepdir
-    from train.checkpoint import committed
+    from train.checkpoint import committed, dcp
 
     found = committed(run_dir / "checkpoints")
     assert found, f"no checkpoint in {run_dir}"
     if found[-1].path.is_dir():
-        return {**stepdir.load_trainer_state(found[-1].path), "model": stepdir.read_model(found[-1].path)}
+        return {**dcp.load_trainer_state(found[-1].path), "model": dcp.read_model(found[-1].path)}
     return torch.load(found[-1].path, weights_only=True)
 
 

@@ -23,7 +23,8 @@ KILLED_SAVE = textwrap.dedent(
     """
     import builtins, sys
     from pathlib import Path
-    import train.stepfile as stepfile
+    import train.checkpoint.file as stepfile
+    import train.checkpoint.io as checkpoint_io
 
     directory = Path(sys.argv[1])
     state = stepfile.load(sorted(directory.glob("step_*.pt"))[-1])
@@ -49,7 +50,7 @@ KILLED_SAVE = textwrap.dedent(
             print("HALFWAY", flush=True)
             sys.stdin.read()  # never returns: the parent kills us here
 
-    stepfile.open = StallHalfway  # the module's open(): only the checkpoint bytes stall
+    checkpoint_io.open = StallHalfway  # the module's open(): only the checkpoint bytes stall
     stepfile.write_atomic(state, directory / "step_99999999.pt")
     """
 )
@@ -228,7 +229,7 @@ def test_resume_after_a_change_of_global_batch_never_rolls_back(launch, tmp_path
 
 @pytest.mark.parametrize("error", [MemoryError(), OSError(5, "Input/output error")])
 def test_an_error_that_is_not_damage_stops_the_resume_and_leaves_the_files_alone(tmp_path, monkeypatch, error):
-    import train.stepfile as stepfile
+    import train.checkpoint.file as stepfile
 
     manager = CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True)
     for step in (1, 2):
@@ -238,7 +239,7 @@ def test_an_error_that_is_not_damage_stops_the_resume_and_leaves_the_files_alone
     def failing(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(stepfile.torch if isinstance(error, MemoryError) else stepfile, "load" if isinstance(error, MemoryError) else "read_chunks", failing)
+    monkeypatch.setattr(stepfile.torch if isinstance(error, MemoryError) else stepfile, "load" if isinstance(error, MemoryError) else "hash_file", failing)
     with pytest.raises(type(error)):
         CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True).choose(rank=0, world_size=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing renamed *.damaged, nothing removed
@@ -248,8 +249,6 @@ def test_an_error_that_is_not_damage_stops_the_resume_and_leaves_the_files_alone
 
 @pytest.mark.parametrize("crash_after_renames", [0, 1])
 def test_a_crash_while_marking_best_leaves_a_best_that_matches_its_checksum(tmp_path, monkeypatch, crash_after_renames):
-    import train.checkpoint as checkpoint
-
     manager = CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True)
     for step in (1, 2):
         manager.save(fake_state(step), step)
@@ -262,10 +261,10 @@ def test_a_crash_while_marking_best_leaves_a_best_that_matches_its_checksum(tmp_
         calls.append(dst)
         real_replace(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "replace", crashing_replace)
+    monkeypatch.setattr(os, "replace", crashing_replace)
     with pytest.raises(KeyboardInterrupt):
         manager.mark_best(2)
-    monkeypatch.setattr(checkpoint.os, "replace", real_replace)
+    monkeypatch.setattr(os, "replace", real_replace)
     CheckpointManager(tmp_path, CheckpointConfig(keep_last=5), is_writer=True)  # the next start recovers
     # Before the commit point the old best stays, after it the new one: never a mismatch with its checksum.
     assert load(tmp_path / BEST)["step"] == (1 if crash_after_renames == 0 else 2)
@@ -273,15 +272,13 @@ def test_a_crash_while_marking_best_leaves_a_best_that_matches_its_checksum(tmp_
 
 
 def test_best_is_copied_and_verified_where_hard_links_fail(tmp_path, monkeypatch):
-    import train.checkpoint as checkpoint
-
     manager = CheckpointManager(tmp_path, CheckpointConfig(), is_writer=True)
     manager.save(fake_state(3), 3)
 
     def no_links(*args):
         raise OSError(1, "Operation not permitted")
 
-    monkeypatch.setattr(checkpoint.os, "link", no_links)
+    monkeypatch.setattr(os, "link", no_links)
     manager.mark_best(3)
     assert os.stat(tmp_path / BEST).st_ino != os.stat(tmp_path / step_file_name(3)).st_ino
     assert load(tmp_path / BEST)["step"] == 3

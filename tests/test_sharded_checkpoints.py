@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import IDENTITY, fault_env, final_checkpoint, read_metrics, run_cli
-from train import stepdir
+from train.checkpoint import dcp
 from train.checkpoint import CheckpointManager, checkpoint_dir, committed, step_dir_name
 from train.config import CheckpointConfig
 
@@ -52,12 +52,12 @@ def copy_run(source, tmp_path):
 def test_a_step_directory_is_committed_by_a_manifest_of_every_file(halfway):
     found = committed(checkpoint_dir(halfway))
     assert [c.step for c in found] == [3, 6, 7] and all(c.path.is_dir() for c in found)
-    manifest = stepdir.read_manifest(found[-1].path)
+    manifest = dcp.read_manifest(found[-1].path)
     assert manifest["world_size"] == 2 and manifest["step"] == 7 and manifest["commit"] == found[-1].commit
-    names = {p.name for p in found[-1].path.iterdir()} - {stepdir.MANIFEST}
+    names = {p.name for p in found[-1].path.iterdir()} - {dcp.MANIFEST}
     assert set(manifest["files"]) == names and {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainer.pt"} <= names
-    assert stepdir.verify(found[-1].path) is None
-    state = stepdir.load_trainer_state(found[-1].path)  # weights_only: no pickled code anywhere
+    assert dcp.verify(found[-1].path) is None
+    state = dcp.load_trainer_state(found[-1].path)  # weights_only: no pickled code anywhere
     assert "model" not in state and len(state["rng"]) == 2 and state["step"] == 7
 
 
@@ -93,7 +93,7 @@ def test_a_truncated_shard_is_skipped_with_a_warning_and_the_previous_step_resum
 
 def test_a_step_without_manifest_or_with_a_changed_byte_is_skipped_with_a_warning(halfway, tmp_path, caplog):
     directory = checkpoint_dir(copy_run(halfway, tmp_path))
-    (directory / step_dir_name(7) / stepdir.MANIFEST).unlink()  # as if the write had died before its commit
+    (directory / step_dir_name(7) / dcp.MANIFEST).unlink()  # as if the write had died before its commit
     shard = directory / step_dir_name(6) / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the sha256 can tell
@@ -102,7 +102,7 @@ def test_a_step_without_manifest_or_with_a_changed_byte_is_skipped_with_a_warnin
         manager = CheckpointManager(directory, CheckpointConfig(), is_writer=True, fmt="dcp")
         state = manager.choose(0, 1)
     assert state["step"] == 3
-    assert f"{step_dir_name(7)} has no {stepdir.MANIFEST}" in caplog.text
+    assert f"{step_dir_name(7)} has no {dcp.MANIFEST}" in caplog.text
     assert "__0_0.distcp is corrupted" in caplog.text
     assert [c.step for c in committed(directory)] == [3]
 

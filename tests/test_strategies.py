@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import IDENTITY, final_checkpoint, read_metrics
-from train import stepdir
+from train.checkpoint import dcp
 from train.checkpoint import committed
 from train.models import mlp
 
@@ -158,7 +158,7 @@ def test_hsdp_2_copies_of_2_shards_reach_the_weights_of_ddp(launch, tmp_path):
     hsdp, ddp = final_checkpoint(tmp_path / "hsdp"), final_checkpoint(tmp_path / "ddp")
     assert hsdp["step"] == ddp["step"] == 24
     assert_same_weights(hsdp["model"], ddp["model"])
-    manifest = stepdir.read_manifest(committed(tmp_path / "hsdp" / "checkpoints")[-1].path)
+    manifest = dcp.read_manifest(committed(tmp_path / "hsdp" / "checkpoints")[-1].path)
     assert manifest["world_size"] == 4
     shards = memory(tmp_path / "hsdp")
     assert shards["rank3_param_mb"] == pytest.approx(memory(tmp_path / "ddp")["rank0_param_mb"] / 2, rel=0.02)

@@ -115,6 +115,9 @@ class CheckpointConfig:
     # state, and a run resumes at another world size or strategy. auto: dcp under fsdp, file otherwise.
     format: str = "auto"
     async_save: bool = False  # dcp: write in the background from a copy of the state while training goes on
+    # A checkpoint read or write that moves no byte for this long is a hang (the rank reports the file and exits);
+    # however long the whole read or write takes, it is not (trainer.hang_timeout_s does not apply). 0: unbounded.
+    io_timeout_s: int = 600
 
 
 CHECKPOINT_FORMATS = ("auto", "file", "dcp")

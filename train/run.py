@@ -72,7 +72,7 @@ def main(config_path: str | Path) -> Outcome:
     device = distributed.pick_device(env, cfg.trainer.gpus)
     backend = distributed.resolve_backend(cfg.trainer.backend, cfg.trainer.gpus)
     distributed.init_process_group(env, backend, device, cfg.trainer.timeout_s)
-    watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s)  # from here on: loading a checkpoint is watched too
+    watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s, cfg.checkpoint.io_timeout_s)  # loading is watched too
     run = None
     try:
         control = distributed.control_group(backend)
@@ -120,12 +120,13 @@ class Run:
 
 def resume_state(ckpt: CheckpointManager, env: DistEnv, watchdog: Watchdog) -> dict | None:
     """The state of the newest checkpoint that loads, on every rank (see CheckpointManager.choose); None for a
-    fresh start. Reading and hashing beat the watchdog chunk by chunk; waits on other ranks' reading do not count."""
+    fresh start. Each stream read is watched against checkpoint.io_timeout_s; waits on other ranks' reading are not
+    hangs."""
     if env.is_main and not ckpt.cfg.resume:
         refuse_fresh_start_over(ckpt.directory.parent)
     if not ckpt.cfg.resume:
         return None
-    state = ckpt.choose(env.rank, env.world_size, progress=lambda: watchdog.beat(0, "reading a checkpoint"))
+    state = ckpt.choose(env.rank, env.world_size)
     if state is not None:
         log.info("resuming from %s (step %d)", state.get("sharded") or "the newest checkpoint file", state["step"])
     return state
@@ -152,12 +153,12 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
 
     saving = saving or control
     ckpt = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint, is_writer=env.is_main,
-                             fmt=checkpoint_format(cfg), group=saving, paused=watchdog.paused)
+                             fmt=checkpoint_format(cfg), group=saving, watchdog=watchdog, local_rank=env.local_rank)
     progress, started = Progress(), time.perf_counter()
     state = resume_state(ckpt, env, watchdog)
     if state is not None:
         parts = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, plan=plan, env=env,
-                     config=to_dict(cfg), group=saving)
+                     config=to_dict(cfg), read_tensors=ckpt.read_tensors)
         progress = restore_state(state, **parts)
         ckpt.saved_step = progress.step
         progress.load_s = time.perf_counter() - started
@@ -191,7 +192,7 @@ def build_initial_model(cfg: TrainConfig):
 def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
     """Every rank takes part: gathering RNG states and data positions are collectives, and so are gathering the
     model's parts onto rank 0 (format file, under fsdp or pipeline) or writing them in parallel (format dcp). A
-    single file is written by rank 0 alone, beating its watchdog per chunk, while the others wait for it."""
+    single file is written by rank 0 alone while the others wait for it (its stream watched, see the manager)."""
     step, started = run.progress.step, time.perf_counter()
     if run.ckpt.saved_step == step:
         if is_best:
@@ -204,8 +205,7 @@ def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
         progress=run.progress, plan=run.plan, rng=gather_rng(),
         data=distributed.all_gather_objects(run.batches.state_dict()), config=to_dict(run.cfg), sharded_plain=plain,
     )
-    run.ckpt.save(state, step, progress=lambda: run.watchdog.beat(step, "writing a checkpoint"), tensors=tensors,
-                  best=is_best)
+    run.ckpt.save(state, step, tensors=tensors, best=is_best)
     if metrics is not None:  # how long training stood still for this save (with async_save: the staging copy)
         metrics.log("checkpoint", step, {"stall_s": time.perf_counter() - started, "async": float(run.ckpt.background is not None)})
 

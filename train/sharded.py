@@ -10,7 +10,7 @@ the batches stay channels_last and the convolutions keep that layout for their a
 the input or the weight). Under bf16, parameters are gathered in bf16 except those of BatchNorm layers, whose
 running statistics are float32 (their own float32 group); gradients are reduced in float32.
 
-Checkpoints are sharded step directories by default (checkpoint.format=dcp, train/stepdir.py). With
+Checkpoints are sharded step directories by default (checkpoint.format=dcp, train/checkpoint/dcp.py). With
 checkpoint.format=file they hold full state dicts gathered onto rank 0 (`torch.distributed.checkpoint.state_dict`
 with full_state_dict): a single file whose `"model"` a single device loads, at the price of rank 0 holding the
 whole model in host memory while saving.

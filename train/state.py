@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train import stepdir
+from train.checkpoint import dcp
 from train.config import flatten
 from train.dist import DistEnv, all_gather_objects
 from train.optim import Plan
@@ -122,7 +122,7 @@ def restore_state(
     plan: Plan,
     env: DistEnv,
     config: dict,
-    group=None,
+    read_tensors=None,
 ) -> Progress:
     """Put a checkpoint back. Same world size and global batch: exactly where it stopped, RNG included.
 
@@ -134,12 +134,13 @@ def restore_state(
     The lr schedule is a function of the plan and the step, so it is recomputed rather than loaded (LambdaLR's
     state would carry the old schedule's length); a change of schedule is reported.
 
-    A step directory (format dcp, `state["sharded"]`) is read into this run's own layout: any world size, any
-    strategy. A single file resumes under the strategy that wrote it.
+    A step directory (format dcp, `state["sharded"]`) is read into this run's own layout by `read_tensors`
+    (CheckpointManager.read_tensors): any world size, any strategy. A single file resumes under the strategy that
+    wrote it.
     """
     saved = state.get("strategy", "ddp")
     if "sharded" in state:
-        restore_sharded(state, strategy, optimizer, group)
+        restore_sharded(state, strategy, optimizer, read_tensors)
     elif saved != strategy.name:
         raise ValueError(
             f"the checkpoint was written under trainer.strategy={saved} as a single file, and this run uses "
@@ -176,21 +177,21 @@ def restore_state(
     return Progress(step=step, best_metric=best, eval_step=step if evaluated else -1)
 
 
-def restore_sharded(state: dict, strategy: Strategy, optimizer: torch.optim.Optimizer, group) -> None:
+def restore_sharded(state: dict, strategy: Strategy, optimizer: torch.optim.Optimizer, read_tensors) -> None:
     """Read a step directory's tensors into this rank's live state (resharded by DCP), put back the non-tensor
     leaves it saved (the optimizer's param_groups stay this run's: they come from its config), and load."""
     target = strategy.sharded_state(optimizer)
-    tensors, plain = stepdir.split(target)
-    stepdir.load_tensors(tensors, Path(state["sharded"]), group)
+    tensors, plain = dcp.split(target)
+    read_tensors(tensors, Path(state["sharded"]))
     saved = state.get("plain", {})
-    stepdir.put_plain(target, {k: saved[k] for k in plain if k in saved and not k.startswith("optimizer/param_groups")})
+    dcp.put_plain(target, {k: saved[k] for k in plain if k in saved and not k.startswith("optimizer/param_groups")})
     strategy.load_sharded_state(optimizer, target)
 
 
 def sharded_parts(strategy: Strategy, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """(this rank's tensors, every rank's non-tensor leaves) of the sharded state (collective: gathers the
     latter, which are small: a user optimizer's counters, a module's extra state)."""
-    tensors, plain = stepdir.split(strategy.sharded_state(optimizer))
+    tensors, plain = dcp.split(strategy.sharded_state(optimizer))
     merged: dict = {}
     for part in all_gather_objects({k: v for k, v in plain.items() if not k.startswith("optimizer/param_groups")}):
         merged.update(part)

@@ -1,45 +1,64 @@
 """Hang detection: a rank that stops making progress reports itself (rank, step, what it was doing, the stacks of
 its threads) and exits, so the launcher restarts the group or ends the run instead of waiting forever.
 
-The loop calls `beat()` at every step (an assignment, no synchronisation). A rank stuck in a collective because a
-peer hangs is caught the same way, or by the collective timeout (trainer.timeout_s), whichever comes first.
+Two kinds of progress are watched, each against its own limit:
+- training: the loop calls `beat()` at every step (an assignment, no synchronisation); no beat for
+  trainer.hang_timeout_s is a hang. A rank stuck in a collective because a peer hangs is caught the same way, or by
+  the collective timeout (trainer.timeout_s), whichever comes first.
+- checkpoint I/O: every checkpoint stream is opened under `io(what)` and reports the bytes it has moved; a stream
+  that moves nothing for checkpoint.io_timeout_s is a hang (a stuck shared file system), however long the whole
+  read or write takes. Streams of a background save are watched the same way, from their own thread.
 
-Work that may legitimately take longer than the limit is not a hang: checkpoint reads and writes beat once per
-chunk (progress), and a rank that waits for another one's I/O, or compiles, does so inside `paused()`; the
-waiting rank is then bounded by the other's own watchdog (its exit breaks the connection the wait is on).
+A rank that waits for other ranks' I/O, or compiles, does so inside `paused()`: its training clock stops, and the
+wait is bounded by the others' own I/O watches (their exit breaks the connection the wait is on).
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import itertools
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 HANG_EXIT_CODE = 70  # "internal software error": distinguishes a detected hang from a crash in the logs
 
 
+@dataclass
+class _Stream:
+    what: str
+    done: int = 0
+    last: float = field(default_factory=time.monotonic)
+
+
 class Watchdog:
-    def __init__(self, rank: int, timeout_s: float):
+    def __init__(self, rank: int, timeout_s: float, io_timeout_s: float = 0):
         self.rank = rank
         self.timeout_s = timeout_s
+        self.io_timeout_s = io_timeout_s
         self.step = 0
         self.activity = "starting"
         self.last = time.monotonic()
         self.pauses = 0
+        self.streams: dict[int, _Stream] = {}  # the checkpoint streams open now, by a serial number
+        self.serial = itertools.count()
         self.stopped = threading.Event()
-        if timeout_s > 0:
-            threading.Thread(target=self._watch, name="hang-watchdog", daemon=True).start()
+        limits = [t for t in (timeout_s, io_timeout_s) if t > 0]
+        if limits:
+            threading.Thread(target=self._watch, args=(min(5.0, min(limits) / 4),), name="hang-watchdog",
+                             daemon=True).start()
 
     def beat(self, step: int, activity: str = "training") -> None:
         self.step, self.activity, self.last = step, activity, time.monotonic()
 
     @contextlib.contextmanager
     def paused(self, activity: str):
-        """No hang detection inside: for waits on work that is watched elsewhere (a peer's I/O) or unbounded by
-        nature (compiling). The clock restarts on the way out."""
+        """No training-hang detection inside: for waits on work that is watched elsewhere (other ranks' I/O) or
+        unbounded by nature (compiling). The clock restarts on the way out. Open I/O watches still count."""
         self.beat(self.step, activity)
         self.pauses += 1
         try:
@@ -48,16 +67,40 @@ class Watchdog:
             self.pauses -= 1
             self.beat(self.step, "training")
 
-    def _watch(self) -> None:
-        while not self.stopped.wait(min(5.0, self.timeout_s / 4)):
-            idle = time.monotonic() - self.last
-            if idle > self.timeout_s and not self.pauses:
-                print(
-                    f"[rank {self.rank}] no progress for {idle:.0f} s ({self.activity} after step {self.step}; "
-                    f"limit trainer.hang_timeout_s={self.timeout_s:g}). Stacks of this rank's threads:",
-                    file=sys.stderr,
-                    flush=True,
-                )
+    @contextlib.contextmanager
+    def io(self, what: str) -> Iterator:
+        """Watch one checkpoint stream: yields `progress(bytes_done)`; no progress for checkpoint.io_timeout_s is a
+        hang that names `what` (the file) and the bytes done. Thread-safe: a background save opens its own."""
+        key, stream = next(self.serial), _Stream(what)
+
+        def progress(done: int) -> None:
+            stream.done, stream.last = done, time.monotonic()
+
+        self.streams[key] = stream
+        try:
+            yield progress
+        finally:
+            del self.streams[key]
+
+    def _stalled(self) -> str | None:
+        now = time.monotonic()
+        if self.io_timeout_s > 0:
+            for stream in list(self.streams.values()):
+                if now - stream.last > self.io_timeout_s:
+                    return (f"[rank {self.rank}] checkpoint I/O made no progress for {now - stream.last:.0f} s "
+                            f"({stream.what}, {stream.done / 2**20:.1f} MB done; limit "
+                            f"checkpoint.io_timeout_s={self.io_timeout_s:g}).")
+        idle = now - self.last
+        if self.timeout_s > 0 and idle > self.timeout_s and not self.pauses:
+            return (f"[rank {self.rank}] no progress for {idle:.0f} s ({self.activity} after step {self.step}; "
+                    f"limit trainer.hang_timeout_s={self.timeout_s:g}).")
+        return None
+
+    def _watch(self, every: float) -> None:
+        while not self.stopped.wait(every):
+            report = self._stalled()
+            if report:
+                print(f"{report} Stacks of this rank's threads:", file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
                 os._exit(HANG_EXIT_CODE)

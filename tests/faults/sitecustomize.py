@@ -11,44 +11,55 @@ restart runs clean):
   FAULT=kill_in_save  SIGKILL itself while committing the step directory of step FAULT_STEP (see the end)
   FAULT=slow_commit  wait FAULT_DELAY_MS (default 50) before committing each step directory (every attempt)
   FAULT=slow_io checkpoint reads and writes of this rank (of every rank with FAULT_RANK=all) go in 1 kB chunks,
-                FAULT_DELAY_MS (default 50) each (every attempt: a slow file system, not a crash)
+                FAULT_DELAY_MS (default 50) each (every attempt: a slow file system, not a crash), both formats
+  FAULT=stuck_io  the first checkpoint shard this rank writes (a DCP .distcp file) stops after its first chunk and
+                never returns (a stuck file system)
 """
 
 import os
 
-if os.environ.get("FAULT") == "slow_io" and os.environ.get("FAULT_RANK", "0") in (os.environ.get("RANK"), "all"):
+if os.environ.get("FAULT") in ("slow_io", "stuck_io") \
+        and os.environ.get("FAULT_RANK", "0") in (os.environ.get("RANK"), "all"):
+    # Every checkpoint stream of a training rank is opened under Watchdog.io and reports each chunk to it: the
+    # delay goes there, after every chunk (shrunk to 1 kB), for reads, writes and hashing, in both formats.
+    import contextlib
     import threading
 
-    import train.stepfile
+    import train.checkpoint.io
+    import train.watchdog
 
-    delay = int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
-    train.stepfile.CHUNK_BYTES = 1024
-    write_chunks, read_chunks = train.stepfile.write_chunks, train.stepfile.read_chunks
+    delay, stuck = int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000, os.environ["FAULT"] == "stuck_io"
+    train.checkpoint.io.CHUNK_BYTES = 1024
+    watch_io = train.watchdog.Watchdog.io
 
-    def slow(progress):
-        def step():
-            threading.Event().wait(delay)
-            progress()
-        return step
+    @contextlib.contextmanager
+    def slow_io(self, what):
+        with watch_io(self, what) as progress:
+            def slow(done):
+                progress(done)
+                if stuck and what.startswith("writing") and what.endswith(".distcp"):
+                    print(f"[rank {os.environ.get('RANK')}] stuck writing {what}", flush=True)
+                    threading.Event().wait()
+                threading.Event().wait(delay)
+            yield slow
 
-    train.stepfile.write_chunks = lambda path, data, progress: write_chunks(path, data, slow(progress))
-    train.stepfile.read_chunks = lambda path, progress: read_chunks(path, slow(progress))
+    train.watchdog.Watchdog.io = slow_io
 
 elif os.environ.get("FAULT") == "slow_commit" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0"):
     import threading
 
-    import train.stepdir
+    import train.checkpoint.dcp
 
-    commit, delay = train.stepdir.commit, int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
+    commit, delay = train.checkpoint.dcp.commit, int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
 
-    def slow_commit(directory, meta, progress):
+    def slow_commit(directory, meta, files):
         threading.Event().wait(delay)
-        return commit(directory, meta, progress)
+        return commit(directory, meta, files)
 
-    train.stepdir.commit = slow_commit
+    train.checkpoint.dcp.commit = slow_commit
 
 elif (
-    os.environ.get("FAULT") not in (None, "", "kill_in_save", "slow_commit")
+    os.environ.get("FAULT") not in (None, "", "kill_in_save", "slow_commit", "slow_io", "stuck_io")
     and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0")
     and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 ):
@@ -112,13 +123,13 @@ if os.environ.get("FAULT") == "kill_in_save" and os.environ.get("RANK") == os.en
     # shards written, the manifest not yet): with checkpoint.async_save, a crash in the middle of a background write.
     import signal
 
-    import train.stepdir
+    import train.checkpoint.dcp
 
-    commit = train.stepdir.commit
+    commit = train.checkpoint.dcp.commit
 
-    def killing_commit(directory, meta, progress):
+    def killing_commit(directory, meta, files):
         if meta["step"] == int(os.environ["FAULT_STEP"]):
             os.kill(os.getpid(), signal.SIGKILL)
-        return commit(directory, meta, progress)
+        return commit(directory, meta, files)
 
-    train.stepdir.commit = killing_commit
+    train.checkpoint.dcp.commit = killing_commit

@@ -1,5 +1,5 @@
-"""The single-file checkpoint format (checkpoint.format=file): one `torch.save` file per step, committed
-atomically, with its checksum beside it.
+"""The single-file checkpoint format (checkpoint.format=file): one `torch.save` file per step, written by rank 0
+from the full state, committed atomically, with its checksum beside it.
 
 A checkpoint is a dict saved with `torch.save` that loads with `torch.load(weights_only=True)`: its "model"
 entry is the plain state_dict of the unwrapped model. Beside every file, `NAME.sha256` holds its checksum in
@@ -10,37 +10,31 @@ entry is the plain state_dict of the unwrapped model. Beside every file, `NAME.s
 
 A commit is journaled so that a crash at any moment leaves either the old state or the new one: the sidecar is
 written first under a temporary name (its presence marks the write as unfinished), then the data under a
-temporary name, both fsynced; renaming the sidecar is the commit point, renaming the data follows. On start the
-writer rolls a committed write forward and an unfinished one back (`recover`).
+temporary name, streamed and hashed as it goes (no copy of the serialised state in memory), both fsynced; the
+temporary sidecar then receives the digest, and renaming it is the commit point; renaming the data follows. On
+start the writer rolls a committed write forward and an unfinished one back (`recover`).
 
-The step directory format (checkpoint.format=dcp) is train/stepdir.py; which checkpoint is the newest, pruning and
-best are train/checkpoint.py's, for both.
+Resume reads the file once per node: the first rank of each node hashes it (streaming, which also brings it into
+the node's page cache) and every rank then maps it (`torch.load(mmap=True)`), so the node's processes share one
+copy of the file in memory instead of holding one each.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
 import logging
 import os
 import pickle
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from train.stepdir import fsync_dir
+from train.checkpoint.io import Watch, fsync_dir, hash_file, hashed_write, save_into, unwatched
 
 log = logging.getLogger("train.checkpoint")
 
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "epoch", "step_in_epoch", "rng", "config")
-CHUNK_BYTES = 64 << 20  # reads and writes go in chunks: each one is progress (see `Progress`), not a hang
-
-Progress = Callable[[], None]  # called after each chunk read or written: the watchdog's heartbeat
-
-
-def no_progress() -> None:
-    pass
 
 
 class CheckpointSaveError(OSError):
@@ -62,25 +56,11 @@ def _temporary(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-def write_chunks(path: Path, data, progress: Progress) -> None:
-    view = memoryview(data)
-    with open(path, "wb") as f:
-        for start in range(0, len(view), CHUNK_BYTES):
-            f.write(view[start : start + CHUNK_BYTES])
-            progress()
+def write_small(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def read_chunks(path: Path, progress: Progress) -> tuple[bytes, str]:
-    """The file's bytes and their sha256, read chunk by chunk."""
-    digest, parts = hashlib.sha256(), []
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            digest.update(chunk)
-            parts.append(chunk)
-            progress()
-    return b"".join(parts), digest.hexdigest()
 
 
 def sidecar_text(digest: str, name: str, meta: dict[str, int]) -> str:
@@ -106,15 +86,18 @@ def read_sidecar(path: Path) -> tuple[str | None, dict[str, int]]:
     return digest, meta
 
 
-def publish(path: Path, write_data: Callable[[Path], None], sidecar_content: str) -> None:
-    """Commit a file and its sidecar as one step (see the module docstring for the journal)."""
+def publish(path: Path, write_data: Callable[[Path], str], meta: dict[str, int]) -> str:
+    """Commit a file and its sidecar as one step (see the module docstring for the journal). `write_data(tmp)`
+    writes the data and returns its sha256."""
     side, side_tmp, tmp = sidecar(path), _temporary(sidecar(path)), _temporary(path)
-    write_chunks(side_tmp, sidecar_content.encode(), no_progress)  # first: marks the write as unfinished
-    write_data(tmp)
+    write_small(side_tmp, "# unfinished\n")  # first: marks the write as unfinished
+    digest = write_data(tmp)
+    write_small(side_tmp, sidecar_text(digest, path.name, meta))
     os.replace(side_tmp, side)  # the commit point
     fsync_dir(path.parent)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+    return digest
 
 
 def recover(directory: Path) -> None:
@@ -124,7 +107,7 @@ def recover(directory: Path) -> None:
         _temporary(final).unlink(missing_ok=True)
         side_tmp.unlink()
     for tmp in directory.glob(".*.tmp"):
-        if tmp.is_dir():  # a step directory's (stepdir.recover)
+        if tmp.is_dir():  # a step directory's (dcp.recover)
             continue
         final = directory / tmp.name[1 : -len(".tmp")]
         if sidecar(final).exists():  # committed: the data was complete and fsynced before the commit
@@ -136,40 +119,49 @@ def recover(directory: Path) -> None:
             side.unlink()
 
 
-def write_atomic(state: dict, path: Path, meta: dict[str, int] | None = None, progress: Progress = no_progress) -> str:
-    """Write `state` to `path` so that `path` is either absent, the old file, or the complete new file.
+def write_atomic(state: dict, path: Path, meta: dict[str, int] | None = None, watch: Watch = unwatched) -> str:
+    """Write `state` to `path` so that `path` is either absent, the old file, or the complete new file; the bytes
+    are streamed to disk and hashed on the way (never held whole in memory). Returns the file's sha256.
 
-    Returns the file's sha256. On failure, nothing is left behind and CheckpointSaveError says what happened.
-    """
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getbuffer()
-    digest = hashlib.sha256(data).hexdigest()
+    On failure, nothing is left behind and CheckpointSaveError says what happened."""
+
+    def write_data(tmp: Path) -> str:
+        with hashed_write(tmp, watch, f"writing {path.name}") as stream:
+            save_into(state, stream)
+        return stream.hexdigest()
+
     try:
-        publish(path, lambda tmp: write_chunks(tmp, data, progress), sidecar_text(digest, path.name, meta or {}))
+        return publish(path, write_data, meta or {})
     except OSError as error:
         _temporary(path).unlink(missing_ok=True)
         _temporary(sidecar(path)).unlink(missing_ok=True)
         raise CheckpointSaveError(f"could not save {path}: {error}") from error
-    return digest
+
+
+def verify(path: Path, watch: Watch = unwatched) -> None:
+    """Check the file against its sidecar's sha256, reading it in chunks. Raises CheckpointDamaged on a mismatch;
+    a file without a sidecar (older runs) is loaded unverified, with a warning."""
+    expected, _ = read_sidecar(path)
+    if expected is None:
+        log.warning("%s has no %s; loading it unverified", path.name, sidecar(path).name)
+        return
+    actual, _ = hash_file(path, watch, f"verifying {path.name}")
+    if actual != expected:
+        raise CheckpointDamaged(f"{path.name} is corrupted: its sha256 is {actual[:12]}..., {sidecar(path).name} says {expected[:12]}...")
 
 
 # The messages of torch.load (and zipfile) for bytes that are not a readable archive.
 UNREADABLE = ("PytorchStreamReader", "central directory", "zip archive", "invalid header", "unexpected EOF")
 
 
-def load(path: Path, map_location: str | torch.device = "cpu", progress: Progress = no_progress) -> dict:
-    """Load a checkpoint after checking its sha256. Weights only: a file that carries pickled code is refused.
+def read(path: Path, map_location: str | torch.device = "cpu") -> dict:
+    """The checkpoint's state, its tensors mapped from the file (read lazily, shared with the node's other
+    processes through the page cache). Weights only: a file that carries pickled code is refused.
 
     Raises CheckpointDamaged when the file is bad; any other error (memory, I/O) propagates as it is."""
-    expected, _ = read_sidecar(path)
-    data, actual = read_chunks(path, progress)
-    if expected is None:
-        log.warning("%s has no %s; loading it unverified", path.name, sidecar(path).name)
-    elif actual != expected:
-        raise CheckpointDamaged(f"{path.name} is corrupted: its sha256 is {actual[:12]}..., {sidecar(path).name} says {expected[:12]}...")
+    verified = read_sidecar(path)[0] is not None
     try:
-        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except pickle.UnpicklingError as error:
         if "Weights only load failed" in str(error):
             raise CheckpointDamaged(
@@ -178,13 +170,64 @@ def load(path: Path, map_location: str | torch.device = "cpu", progress: Progres
                 f"load it yourself with weights_only=False and save its plain state_dicts again."
             ) from None
         raise CheckpointDamaged(f"{path.name} is not a readable checkpoint ({error})") from error
-    except (RuntimeError, EOFError) as error:
+    except (RuntimeError, EOFError, ValueError) as error:
         unreadable = isinstance(error, EOFError) or any(text in str(error) for text in UNREADABLE)
         # Verified bytes that do not load, or another error (out of memory), are not damage: let it propagate.
-        if expected is not None or not unreadable:
+        if verified or not unreadable:
             raise
         raise CheckpointDamaged(f"{path.name} is not a readable archive ({error})") from error
     missing = [k for k in REQUIRED_KEYS if k not in state] if isinstance(state, dict) else list(REQUIRED_KEYS)
     if missing:
         raise CheckpointDamaged(f"{path} is not a training checkpoint (missing {', '.join(missing)})")
     return state
+
+
+def load(path: Path, map_location: str | torch.device = "cpu", watch: Watch = unwatched) -> dict:
+    """Verify, then read, in one process (tools, tests). Raises CheckpointDamaged when the file is bad."""
+    verify(path, watch)
+    return read(path, map_location)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The format, as the catalogue and the manager see it (train/checkpoint/catalog.py)
+
+class SingleFile:
+    """step_00000030.pt + step_00000030.pt.sha256; best.pt (hard links)."""
+
+    name = "file"
+    best = "best.pt"
+    pattern = re.compile(r"^step_(\d+)\.pt$")
+
+    @staticmethod
+    def path(directory: Path, step: int) -> Path:
+        return directory / f"step_{step:08d}.pt"
+
+    @staticmethod
+    def commit_of(path: Path) -> int | None:
+        return read_sidecar(path)[1].get("commit", -1) if path.is_file() else None
+
+    @staticmethod
+    def recover(directory: Path) -> None:
+        recover(directory)
+
+    @staticmethod
+    def remove(path: Path) -> None:
+        path.unlink(missing_ok=True)
+        sidecar(path).unlink(missing_ok=True)
+
+    @staticmethod
+    def link_best(source: Path, best: Path) -> None:
+        digest, meta = read_sidecar(source)
+
+        def link_or_copy(tmp: Path) -> str:
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(source, tmp)
+                return digest
+            except OSError:  # file systems without hard links
+                with hashed_write(tmp) as stream, open(source, "rb") as f:
+                    while chunk := f.read(64 << 20):
+                        stream.write(chunk)
+                return digest  # the source's: a copy of damaged bytes must not vouch for itself
+
+        publish(best, link_or_copy, meta)

@@ -1,0 +1,230 @@
+"""The checkpoints of a run as the ranks see them (`CheckpointManager`): saving in either format, committing,
+keep-last-k plus best, and choosing the newest one that loads. The catalogue (train/checkpoint/catalog.py) lists and
+prunes; the formats (file.py, dcp.py) write and read; this module runs the collectives between the ranks.
+
+Every wait on other ranks' I/O runs inside `waiting`: the training watchdog pauses and the gloo group is patient,
+while each rank's own reads and writes are watched stream by stream against checkpoint.io_timeout_s
+(train/watchdog.py). A slow file system is therefore never a hang, and a stuck one still is, on the rank whose
+stream stopped: its exit ends the others' waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+from pathlib import Path
+
+import torch.distributed as dist
+
+from train.checkpoint import catalog, dcp, file
+from train.checkpoint.catalog import FORMATS, LEGACY, Committed
+from train.checkpoint.file import CheckpointDamaged, CheckpointSaveError
+from train.checkpoint.io import os_error, unwatched
+from train.checkpoint.staging import BackgroundWriter, Stager
+from train.config import CheckpointConfig
+from train.dist import all_gather_objects, broadcast_from_main, patient
+
+log = logging.getLogger("train.checkpoint")
+
+
+class Unwatched:
+    """The null watchdog (tools and tests that save or load outside a training run)."""
+
+    @staticmethod
+    def paused(what: str):
+        return contextlib.nullcontext()
+
+    io = staticmethod(unwatched)
+
+
+class CheckpointManager:
+    """Owns RUN_DIR/checkpoints: saving in either format, committing, keep-last-k and best, choosing what resumes.
+
+    The single file (`fmt="file"`) is written by the writer (rank 0) alone from full state dicts; a step
+    directory (`fmt="dcp"`) by every rank at once, committed by the writer's manifest of every rank's digests. With
+    `cfg.async_save` a step directory is written by a background thread from a staged copy of the state while
+    training goes on; at most one save is in flight, and `wait` (before the next save, at a stop, at the end)
+    finishes it. Collectives of the saves and of choosing a checkpoint go over `group` (gloo).
+
+    `local_rank`: the first rank of each node (0) verifies a single file for its node."""
+
+    def __init__(self, directory: Path, cfg: CheckpointConfig, is_writer: bool, fmt: str = "file", group=None,
+                 watchdog=Unwatched, local_rank: int = 0):
+        self.directory = directory
+        self.cfg = cfg
+        self.is_writer = is_writer
+        self.format = fmt  # file | dcp: what save() writes (catalog.FORMATS)
+        self.group = group
+        self.watchdog = watchdog
+        self.local_rank = local_rank
+        self.saved_step = -1  # the step whose state is already on disk (no second save of the same state)
+        self.next_commit = 0
+        self.background = BackgroundWriter() if cfg.async_save else None
+        self.stager = Stager()
+        if is_writer:
+            directory.mkdir(parents=True, exist_ok=True)
+            catalog.recover(directory)
+            self.next_commit = max((c.commit for c in self.committed()), default=LEGACY) + 1
+
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        """Inside: waits on other ranks' I/O, which are neither hangs (the training watchdog pauses; streams stay
+        watched) nor collective timeouts (the group is patient)."""
+        with self.watchdog.paused(what), patient(self.group):
+            yield
+
+    def due(self, step: int) -> bool:
+        return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
+
+    def committed(self) -> list[Committed]:
+        return catalog.committed(self.directory)
+
+    # --- saving -------------------------------------------------------------------------------------------------
+
+    def save(self, state: dict, step: int, tensors: dict | None = None, best: bool = False) -> None:
+        """Save `state` as the checkpoint of `step`: as one file (it holds the full model and optimizer state), or
+        with `tensors` (this rank's shards, format dcp) as a step directory. Every rank calls it."""
+        self.wait()
+        self.saved_step = step
+        meta = {"commit": self.next_commit, "step": step}
+        self.next_commit += 1
+        if tensors is None:
+            with self.waiting("waiting for rank 0 to write the checkpoint"):
+                self._write_file(state, step, meta, best)
+            return
+        path = dcp.StepDirectory.path(self.directory, step)
+        if self.is_writer:
+            dcp.prepare(dcp.writing(path))
+        meta["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
+        if self.background is None:
+            with self.waiting("writing a sharded checkpoint"):
+                self._write_dir(tensors, state, path, meta, best)
+        else:
+            staged = self.stager.stage(tensors)  # the training stalls for this copy only
+            self.background.submit(self._write_dir, staged, state, path, meta, best)
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any (every rank). A failed background save raises here."""
+        if self.background is not None and self.background.busy:
+            with self.waiting("waiting for the checkpoint being written"):
+                self.background.wait()
+
+    def close(self) -> None:
+        self.wait()
+        if self.background is not None:
+            self.background.close()
+
+    def _write_file(self, state: dict, step: int, meta: dict, best: bool) -> None:
+        if self.is_writer:
+            path = file.SingleFile.path(self.directory, step)
+            try:
+                file.write_atomic(state, path, meta, self.watchdog.io)
+            except CheckpointSaveError as error:
+                raise self._save_failed(error) from error
+            self._after_commit(step, best)
+        if dist.is_initialized():
+            dist.barrier(group=self.group)  # every rank's save ends when the file is committed
+
+    def _write_dir(self, tensors: dict, state: dict, path: Path, meta: dict, best: bool) -> None:
+        """Every rank writes and hashes its shards; the writer adds trainer.pt and commits the manifest of every
+        rank's digests (no file is read again)."""
+        tmp = dcp.writing(path)
+        try:
+            mine = dcp.write_tensors(tensors, tmp, self.group, self.watchdog.io)
+            files = {}
+            for written in all_gather_objects(mine, self.group):
+                files.update(written)
+            if self.is_writer:
+                files.update(dcp.write_trainer_state(state, tmp, self.watchdog.io))
+                dcp.commit(tmp, meta, files)  # the commit point
+                dcp.publish(tmp, path)
+        except (OSError, RuntimeError) as error:  # DCP's torch.save buries a full disk's OSError in a RuntimeError
+            if (cause := os_error(error)) is None:
+                raise
+            raise self._save_failed(CheckpointSaveError(f"could not save {path}: {cause}")) from error
+        if self.is_writer:
+            self._after_commit(meta["step"], best)
+        if dist.is_initialized():
+            dist.barrier(group=self.group)  # every rank's save ends when the step is committed
+
+    def _after_commit(self, step: int, best: bool) -> None:
+        catalog.prune(self.directory, self.cfg.keep_last)
+        if best:
+            self.mark_best(step)
+
+    def _save_failed(self, error: CheckpointSaveError) -> CheckpointSaveError:
+        previous = self.committed()
+        return CheckpointSaveError(
+            f"{error}. The previous checkpoint ({previous[-1].path.name if previous else 'none'}) is intact: free "
+            f"space in {self.directory} and run the same command again to resume from it."
+        )
+
+    def mark_best(self, step: int) -> None:
+        """best.pt / best/ from the checkpoint of `step` (in this run's format, or the one it resumed from)."""
+        if not self.is_writer:
+            return
+        mine = FORMATS[self.format]
+        for fmt in (mine, *(f for f in FORMATS.values() if f is not mine)):
+            if (source := fmt.path(self.directory, step)).exists():
+                catalog.mark_best(source)
+                return
+
+    # --- resuming -----------------------------------------------------------------------------------------------
+
+    def choose(self, rank: int = 0, world_size: int = 1) -> dict | None:
+        """The newest committed checkpoint that loads, on every rank (collective over `group`): its state (for a
+        step directory, the small trainer state; its tensors are read by `read_tensors`). A damaged or unsafe one
+        is reported and moved aside as *.damaged (kept for inspection, out of the way of resume and pruning); an
+        error that is not damage (memory, I/O) stops here and leaves the files alone."""
+        candidates = [str(c.path) for c in reversed(self.committed())] if self.is_writer else []
+        with self.waiting("waiting for rank 0 to list the checkpoints"):
+            candidates = broadcast_from_main(candidates, self.group)
+        for name in candidates:
+            path = Path(name)
+            with self.waiting("waiting for every rank to check the checkpoint"):
+                problem, state = self._open_dir(path, rank, world_size) if path.is_dir() else self._open_file(path)
+            if problem is None:
+                return state
+            if self.is_writer:
+                catalog.move_aside(path, problem)
+        return None
+
+    def _agreed(self, problem: str | None) -> str | None:
+        """The first rank's problem, on every rank (collective)."""
+        return next((p for p in all_gather_objects(problem, self.group) if p), None)
+
+    def _open_file(self, path: Path) -> tuple[str | None, dict | None]:
+        """Verified once per node (by its first rank, streaming: it also fills the node's page cache), then mapped
+        by every rank: the node's processes share one copy of the file in memory."""
+        problem = None
+        if self.local_rank == 0:
+            try:
+                file.verify(path, self.watchdog.io)
+            except CheckpointDamaged as error:
+                problem = str(error)
+        if problem := self._agreed(problem):
+            return problem, None
+        state = None
+        try:
+            state = file.read(path)
+        except CheckpointDamaged as error:
+            problem = str(error)
+        return self._agreed(problem), state
+
+    def _open_dir(self, path: Path, rank: int, world_size: int) -> tuple[str | None, dict | None]:
+        """Each rank hashes its share (the shards it reads next), checks that DCP's index names nothing but DCP's
+        own classes and reads the small trainer state (weights only)."""
+        problem, state = dcp.verify(path, rank, world_size, self.watchdog.io), None
+        if problem is None:
+            try:
+                dcp.read_metadata(path)
+                state = dcp.load_trainer_state(path)
+            except (dcp.UnsafeCheckpoint, pickle.UnpicklingError) as error:
+                problem = str(error)
+        return self._agreed(problem), state
+
+    def read_tensors(self, target: dict, path: Path) -> None:
+        """Read a step directory's tensors into `target` (collective; resharded by DCP)."""
+        with self.waiting("waiting for every rank to read the checkpoint"):
+            dcp.load_tensors(target, path, self.group, self.watchdog.io)
