@@ -195,3 +195,21 @@ def test_the_digits_are_scikit_learns_read_without_importing_it():
     assert (pixels == digits.data).all() and (labels == digits.target).all() and pixels.shape == (1797, 64)
     check = "import sys; from train.data import read_digits; read_digits(); print('sklearn' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_batches_go_to_the_gpu_through_two_reused_host_buffers():
+    """The pinned-copy logic, run on the CPU (unpinned, the same buffers and turns): each batch is copied into one of
+    two buffers allocated once, taken in turn, and what comes out is a copy that later batches do not overwrite."""
+    from train.batches import PinnedCopies
+
+    copies = PinnedCopies(torch.device("cpu"), pin=False)
+    outputs, pointers = [], []
+    for value in range(4):
+        images, labels = copies(images=torch.full((8, 3), float(value)), labels=torch.full((8,), value))
+        outputs.append((images, labels))
+        pointers.append(copies.buffers[("images", value % 2)].data_ptr())
+    assert pointers[0] == pointers[2] != pointers[1] == pointers[3]  # two buffers, reused
+    for value, (images, labels) in enumerate(outputs):
+        assert torch.equal(images, torch.full((8, 3), float(value))) and torch.equal(labels, torch.full((8,), value))
+    copies(images=torch.zeros(4, 3), labels=torch.zeros(4, dtype=torch.long))  # a smaller last batch: a new buffer
+    assert copies.buffers[("images", 0)].shape == (4, 3)

@@ -55,3 +55,13 @@ def test_materialised_weights_and_generator_equal_a_full_build(name):
 def test_what_cannot_be_replayed_is_refused_by_name(build, culprit):
     with pytest.raises(Unsupported, match=culprit):
         build_on_meta(build)
+
+
+def test_under_cpu_offload_the_shards_are_materialised_on_the_host():
+    """FSDP2 refuses offloaded parameters materialised on the GPU: meta init fills them in on the CPU then."""
+    from train.config import TrainerConfig
+    from train.sharded import parameter_device
+
+    gpu = torch.device("cuda", 1)
+    assert parameter_device(TrainerConfig(fsdp_cpu_offload=True), gpu) == torch.device("cpu")
+    assert parameter_device(TrainerConfig(fsdp_cpu_offload=False), gpu) == gpu

@@ -71,7 +71,7 @@ def test_a_changed_number_of_epochs_on_resume_is_reported_and_followed(launch, t
 
 
 def test_checkpoint_io_slower_than_every_limit_is_not_a_hang(launch, tmp_path):
-    """Each save and load takes ~6 s (~80 chunks of 1 kB, 80 ms each) against 5 s limits for hangs and collectives."""
+    """Each save and load takes ~6 s (~75 kB at 80 ms per kB) against 5 s limits for hangs and collectives."""
     run_dir = tmp_path / "run"
     limits = ["trainer.hang_timeout_s=5", "trainer.timeout_s=5", "trainer.eval_every=0", f"hydra.run.dir={run_dir}"]
     slow = {"FAULT_DELAY_MS": "80"}
@@ -82,6 +82,8 @@ def test_checkpoint_io_slower_than_every_limit_is_not_a_hang(launch, tmp_path):
     resumed = launch(*SMALL, *limits, "trainer.max_steps=10", env={**fault_env("slow_io", rank=0), "FAULT_RANK": "all", **slow})
     assert resumed.returncode == 0, "slow checkpoint reads were taken for a hang"
     assert "resumed at step 5" in resumed.stdout and "no progress" not in resumed.stderr
+    # The file is hashed once per node, by its first rank; every rank then maps it (no copy per process).
+    assert "[io rank 0] verifying step_00000005.pt" in resumed.stderr and "[io rank 1] verifying" not in resumed.stderr
     assert final_checkpoint(run_dir)["step"] == 10
 
 

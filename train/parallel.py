@@ -35,6 +35,11 @@ class Strategy:
         self.replicas = env.world_size  # processes that read different samples
         self.replica_rank = env.rank  # which share of the samples this process reads
 
+    @property
+    def parameter_device(self) -> torch.device:
+        """Where this rank's parameters live (meta-device initialisation fills them in there)."""
+        return self.device
+
     def parameters(self):
         """The parameters this rank's optimizer updates."""
         return self.model.parameters()

@@ -145,7 +145,7 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     fmt = memory_format(cfg.trainer, model, device)
     strategy = build_strategy(model if recipes else place(model, device, fmt), cfg.trainer, env, device)
     if recipes:
-        materialise(strategy.model, recipes, device)
+        materialise(strategy.model, recipes, strategy.parameter_device)
     optimizer = build_optimizer(cfg.optim, strategy.model, plan.lr)
     scheduler = build_scheduler(optimizer, cfg.optim.schedule, plan)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.trainer.precision == "fp16")

@@ -46,6 +46,12 @@ def replica_groups(cfg: TrainerConfig, env: DistEnv) -> int:
     return max(1, env.world_size // env.local_world_size)
 
 
+def parameter_device(cfg: TrainerConfig, device: torch.device) -> torch.device:
+    """The host under trainer.fsdp_cpu_offload (FSDP2 refuses shards materialised on the GPU when offloading: "FSDP
+    parameters should be materialized on CPU when enabling CPU offloading"), the training device otherwise."""
+    return torch.device("cpu") if cfg.fsdp_cpu_offload else device
+
+
 FLOAT32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
 
 
@@ -88,6 +94,10 @@ class FSDPStrategy(Strategy):
             compile_blocks(model)
         for unit in shard_units(model):
             fully_shard(unit, **policy, mp_policy=FLOAT32 if isinstance(unit, _BatchNorm) else mixed_precision(cfg.precision))
+
+    @property
+    def parameter_device(self) -> torch.device:
+        return parameter_device(self.cfg, self.device)
 
     def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler) -> torch.Tensor:
         self.model.set_requires_gradient_sync(sync)  # FSDP's no_sync: accumulate unsharded, reduce-scatter last

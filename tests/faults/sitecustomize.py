@@ -12,13 +12,17 @@ restart runs clean):
   FAULT=slow_commit  wait FAULT_DELAY_MS (default 50) before committing each step directory (every attempt)
   FAULT=slow_io checkpoint reads and writes of this rank (of every rank with FAULT_RANK=all) go in 1 kB chunks,
                 FAULT_DELAY_MS (default 50) each (every attempt: a slow file system, not a crash), both formats
-  FAULT=stuck_io  the first checkpoint shard this rank writes (a DCP .distcp file) stops after its first chunk and
-                never returns (a stuck file system)
+  FAULT=stuck_io  in the first attempt, the first checkpoint shard this rank writes (a DCP .distcp file) stops after
+                its first chunk and never returns (a stuck file system)
+  FAULT=trace_io  every checkpoint stream of this rank (of every rank with FAULT_RANK=all) is printed as it opens:
+                "[io rank R] writing step_00000003/__0_0.distcp" (what each rank reads, writes and hashes); slow_io
+                prints them too
 """
 
 import os
+import sys
 
-if os.environ.get("FAULT") in ("slow_io", "stuck_io") \
+if os.environ.get("FAULT") in ("slow_io", "stuck_io", "trace_io") \
         and os.environ.get("FAULT_RANK", "0") in (os.environ.get("RANK"), "all"):
     # Every checkpoint stream of a training rank is opened under Watchdog.io and reports each chunk to it: the
     # delay goes there, after every chunk (shrunk to 1 kB), for reads, writes and hashing, in both formats.
@@ -28,19 +32,28 @@ if os.environ.get("FAULT") in ("slow_io", "stuck_io") \
     import train.checkpoint.io
     import train.watchdog
 
-    delay, stuck = int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000, os.environ["FAULT"] == "stuck_io"
-    train.checkpoint.io.CHUNK_BYTES = 1024
+    fault, first_attempt = os.environ["FAULT"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    delay = int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000 if fault == "slow_io" else 0
+    stuck = fault == "stuck_io" and first_attempt
+    if fault != "trace_io":
+        train.checkpoint.io.CHUNK_BYTES = 1024
     watch_io = train.watchdog.Watchdog.io
 
     @contextlib.contextmanager
     def slow_io(self, what):
+        if not stuck:  # every opened stream is printed (the tests read who reads, writes and hashes what)
+            print(f"[io rank {os.environ.get('RANK')}] {what}", file=sys.stderr, flush=True)
         with watch_io(self, what) as progress:
-            def slow(done):
+            last = [0]
+
+            def slow(done):  # FAULT_DELAY_MS per kB moved, however the stream's user splits its calls
+                moved, last[0] = done - last[0], done
                 progress(done)
                 if stuck and what.startswith("writing") and what.endswith(".distcp"):
                     print(f"[rank {os.environ.get('RANK')}] stuck writing {what}", flush=True)
                     threading.Event().wait()
-                threading.Event().wait(delay)
+                if delay:
+                    threading.Event().wait(delay * moved / 1024)
             yield slow
 
     train.watchdog.Watchdog.io = slow_io
