@@ -88,3 +88,15 @@ def test_gloo_group_benchmark_compares_idle_groups_and_counts_their_event_loops(
     assert [r["event_loops"] for r in report["runs"]["0"]] == [1]
     assert [r["event_loops"] for r in report["runs"]["2"]] == [3]
     assert report["median_seconds"]["2"] == report["runs"]["2"][0]["seconds"] > 0
+
+
+def test_checkpoint_scale_benchmark_measures_commit_resume_and_staging(tmp_path):
+    out = tmp_path / "scale.json"
+    proc = run_cli("benchmarks.checkpoint_scale", "--smoke", "--sizes", "1,2", "--out", str(out), cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    one, two = report["commit"]["1"], report["commit"]["2"]
+    assert two["rank0_hashed_mb"] < 0.75 * two["old_rank0_hashed_mb"]  # rank 0 hashes its share, not every file
+    assert one["rank0_hashed_mb"] > 0.99 * one["old_rank0_hashed_mb"]
+    assert [len(report["resume"][n]) for n in ("1", "2")] == [1, 2]  # every process's figures
+    assert len(report["staging"]["reused_s"]) == len(report["staging"]["fresh_s"]) == 2
