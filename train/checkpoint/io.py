@@ -133,12 +133,13 @@ class ProgressReader(io.RawIOBase):
 
 
 def hash_file(path: Path, watch: Watch = unwatched, what: str = "") -> tuple[str, int]:
-    """(sha256, size) of a file, read chunk by chunk under `watch` (no more than a chunk in memory)."""
+    """(sha256, size) of a file, read chunk by chunk under `watch` into one buffer (one chunk in memory)."""
     digest, size = hashlib.sha256(), 0
-    with watch(what or f"verifying {path.parent.name}/{path.name}") as progress, open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            digest.update(chunk)
-            size += len(chunk)
+    buffer = memoryview(bytearray(min(CHUNK_BYTES, max(1, path.stat().st_size))))
+    with watch(what or f"verifying {path.parent.name}/{path.name}") as progress, open(path, "rb", buffering=0) as f:
+        while count := f.readinto(buffer):
+            digest.update(buffer[:count])
+            size += count
             progress(size)
     return digest.hexdigest(), size
 
