@@ -7,7 +7,6 @@ import os
 import pickle
 import re
 import shutil
-import signal
 
 import pytest
 import torch
