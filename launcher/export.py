@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from train.build import add_import_path, build_model
-from train.checkpoint import BEST, BEST_DIR, CheckpointDamaged, checkpoint_dir, committed, dcp, load
+from train.checkpoint import BEST, BEST_DIR, CheckpointDamaged, checkpoint_dir, committed, dcp, dcp_index, load
 from train.config import CONFIG_FILE, load_config
 
 
@@ -52,7 +52,7 @@ def model_state(path: Path) -> dict:
             raise ExportError(f"{problem}: choose another step with --step")
         try:
             return dcp.read_model(path)
-        except dcp.UnsafeCheckpoint as error:
+        except dcp_index.UnsafeCheckpoint as error:
             raise ExportError(str(error)) from None
     try:
         return load(path)["model"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import IDENTITY, fault_env, final_checkpoint, run_cli
-from train.checkpoint import checkpoint_dir, committed, dcp, step_dir_name
+from train.checkpoint import checkpoint_dir, committed, dcp, dcp_index, step_dir_name
 from train.checkpoint.staging import Stager
 
 BASE = [*IDENTITY, "trainer.max_steps=-1", "trainer.epochs=3", "checkpoint.every_steps=3", "checkpoint.keep_last=10"]
@@ -122,12 +122,12 @@ def test_an_index_declaring_pickled_values_is_refused(tmp_path):
     with pytest.warns(UserWarning):
         dcp_api.save({"model": {"w": torch.ones(2)}, "extra": {"value": [1, 2]}},
                      storage_writer=dcp_api.FileSystemWriter(tmp_path), no_dist=True)
-    with pytest.raises(dcp.UnsafeCheckpoint, match=r"declares non-tensor entries \(extra.value\)"):
-        dcp.read_metadata(tmp_path)
+    with pytest.raises(dcp_index.UnsafeCheckpoint, match=r"declares non-tensor entries \(extra.value\)"):
+        dcp_index.read_metadata(tmp_path)
 
 
 def test_the_index_of_a_real_step_directory_reads_with_the_allowlist(sharded_run):
-    metadata = dcp.read_metadata(committed(checkpoint_dir(sharded_run))[-1].path)
+    metadata = dcp_index.read_metadata(committed(checkpoint_dir(sharded_run))[-1].path)
     assert any(key.startswith("model.") for key in metadata.state_dict_metadata)
 
 

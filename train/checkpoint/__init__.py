@@ -1,5 +1,5 @@
 """Checkpoints: the catalogue of a run's commits (catalog.py), two formats (file.py: one file per step; dcp.py: a
-step directory that every rank writes), asynchronous saves (staging.py), I/O that reports progress and hashes
+step directory that every rank writes; dcp_index.py: its index read without running code), asynchronous saves (staging.py), I/O that reports progress and hashes
 (io.py), and the manager that runs it all across the ranks (manager.py)."""
 
 from train.checkpoint.catalog import (

@@ -17,7 +17,7 @@ Loading goes through DCP into this run's own state dicts (DTensor shards under f
 a stage's entries under pipeline), so a run resumes at another world size or strategy. Nothing read runs code:
 only tensors travel through DCP (DCP reads the other values it stores with pickle: a step directory that
 declares any is refused), `.metadata` is unpickled with an allowlist of DCP's own classes, and trainer.pt is
-loaded with weights_only=True.
+loaded with weights_only=True (train/checkpoint/dcp_index.py reads the index).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import re
 import shutil
 import warnings
@@ -36,6 +35,7 @@ import torch
 from train.checkpoint.io import (
     HashingWriter, ProgressReader, Watch, fsync_dir, hash_file, hashed_write, save_into, unwatched,
 )
+from train.checkpoint.dcp_index import read_metadata
 from train.dist import patient
 
 # torch.distributed.checkpoint and DTensor are imported where used: importing them takes ~0.8 s, which the
@@ -43,12 +43,7 @@ from train.dist import patient
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.pt"
-METADATA = ".metadata"
 SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's name for the files of the rank it names
-
-
-class UnsafeCheckpoint(ValueError):
-    """A step directory whose index would run code, or declares values that DCP unpickles: never loaded."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -145,67 +140,6 @@ def _reader(directory: Path, watch: Watch = unwatched):
     reader = SafeReader(directory)
     reader.fs = _file_system(watch)
     return reader
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# .metadata without running code
-
-def _allowed() -> dict[tuple[str, str], object]:
-    """What DCP's index may name: its own metadata classes and the torch values they hold (dtypes, layouts,
-    sizes), nothing that acts on the world when called."""
-    import pathlib
-
-    from torch.distributed.checkpoint import metadata as md
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-    allowed = {("torch.distributed.checkpoint.metadata", name): getattr(md, name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
-    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
-    allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
-        allowed[("pathlib", name)] = getattr(pathlib, name)
-    allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
-    return allowed
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file, allowed: dict):
-        super().__init__(file)
-        self.allowed = allowed
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in self.allowed:
-            return self.allowed[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafeCheckpoint(f"it names {module}.{name}, which is not one of DCP's metadata classes")
-
-
-def read_metadata(directory: Path):
-    """DCP's index of a step directory, unpickled with an allowlist (DCP itself uses a bare pickle.load, which runs
-    whatever the file names). Raises UnsafeCheckpoint, naming the file and the reason, for anything else."""
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-
-    path = directory / METADATA
-    try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f, _allowed()).load()
-    except UnsafeCheckpoint as error:
-        raise UnsafeCheckpoint(f"{directory.name}/{METADATA} was refused: {error}; loading it could run arbitrary "
-                               f"code. Do not resume from this directory; move it away.") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as error:
-        raise UnsafeCheckpoint(f"{directory.name}/{METADATA} is not a readable DCP index ({error})") from None
-    if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpoint(f"{directory.name}/{METADATA} holds a {type(metadata).__name__}, not DCP's Metadata")
-    others = [key for key, item in metadata.state_dict_metadata.items() if not isinstance(item, TensorStorageMetadata)]
-    if others:
-        raise UnsafeCheckpoint(
-            f"{directory.name}/{METADATA} declares non-tensor entries ({', '.join(others[:3])}), which DCP would "
-            f"unpickle (running any code they hold); this trainer writes only tensors there: the directory was not "
-            f"written by it. Move it away.")
-    return metadata
 
 
 # ---------------------------------------------------------------------------------------------------------------

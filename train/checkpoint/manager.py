@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from train.checkpoint import catalog, dcp, file
+from train.checkpoint import catalog, dcp, dcp_index, file
 from train.checkpoint.catalog import FORMATS, LEGACY, Committed
 from train.checkpoint.file import CheckpointDamaged, CheckpointSaveError
 from train.checkpoint.io import os_error, unwatched
@@ -218,9 +218,9 @@ class CheckpointManager:
         problem, state = dcp.verify(path, rank, world_size, self.watchdog.io), None
         if problem is None:
             try:
-                dcp.read_metadata(path)
+                dcp_index.read_metadata(path)
                 state = dcp.load_trainer_state(path)
-            except (dcp.UnsafeCheckpoint, pickle.UnpicklingError) as error:
+            except (dcp_index.UnsafeCheckpoint, pickle.UnpicklingError) as error:
                 problem = str(error)
         return self._agreed(problem), state
 
