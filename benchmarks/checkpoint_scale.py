@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from train.dist import exit_without_finalizing
+
 REPO = Path(__file__).resolve().parent.parent
 TENSOR_MB = 16  # the state is made of tensors of this size (a large model's state is many such tensors)
 
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:
         task, directory, total_mb, out = args.worker
         worker(task, Path(directory), int(total_mb), Path(out))
-        return {}
+        exit_without_finalizing()  # a rank: see train.dist
     sizes = [int(s) for s in args.sizes.split(",")]
     commit_mb, file_mb, reps = (64, 32, 1) if args.smoke else (1024, 512, args.reps)
     with tempfile.TemporaryDirectory(dir=REPO / "benchmarks") as tmp:  # on the disk the runs write to

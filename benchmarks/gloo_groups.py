@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
+        from train.dist import exit_without_finalizing
+
         worker(args.worker, args.iterations, args.width)
+        exit_without_finalizing()  # a rank: see train.dist
         return {}
     if args.smoke:
         args.reps, args.iterations, args.width = 1, 2, 8

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from train.config import load_config
 from train.data import build_datasets
 from train.build import build_model
+from train.dist import exit_without_finalizing
 
 
 def main() -> None:
@@ -80,3 +81,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()  # a rank: see train.dist

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from train.build import build_model
 from train.config import load_config
+from train.dist import exit_without_finalizing
 
 
 def main() -> None:
@@ -93,3 +94,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()  # a rank: see train.dist

@@ -5,12 +5,10 @@ without any launcher it trains as a single process.
 """
 
 import argparse
-import logging
-import os
-import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from train.dist import exit_without_finalizing
 from train.run import main
 
 
@@ -23,10 +21,4 @@ def cli() -> None:
 
 if __name__ == "__main__":
     cli()
-    # The run has ended, its files are closed and its process groups destroyed. The interpreter's finalization is
-    # skipped: what torch still holds then (gloo's threads) was torn down in an order that aborted a rank after its
-    # last checkpoint ("terminate called without an active exception", SIGABRT: 2 of ~150 launches of the suite).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalizing()
