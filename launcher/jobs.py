@@ -1,8 +1,9 @@
-"""`python -m launcher.jobs status|logs|cancel RUN_DIR`: the SLURM jobs of a run (or of a whole sweep: pass
-its sweep directory to status and cancel).
+"""`python -m launcher.jobs status|logs|cancel RUN_DIR`: who holds a run directory, and the SLURM jobs of a run
+(or of a whole sweep: pass its sweep directory to status and cancel).
 
-Reads RUN_DIR/slurm/jobs.jsonl, written at each submission. States come from sacct (SLURM's accounting), the
-logs from the files submitit writes per task (RUN_DIR/slurm/<job>_<task>_log.out/.err).
+Reads RUN_DIR/lease.json (the holder: a local launcher or a SLURM job) and RUN_DIR/slurm/jobs.jsonl, written at
+each submission. Job states come from the SLURM controller (scontrol), else from its accounting (sacct); the logs
+from the files submitit writes per task (RUN_DIR/slurm/<job>_<task>_log.out/.err).
 """
 
 from __future__ import annotations
@@ -12,33 +13,35 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.slurm import JOBS_FILE, recorded_jobs, slurm_folder
+from launcher.backend import get_backend, lease_holder_alive
+from launcher.lease import read_lease
+from launcher.slurm import ACTIVE, JOBS_FILE, job_state, recorded_jobs, slurm_folder
 from launcher.sweep import point_dirs
 
-FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE")
+
+def run_dirs(path: Path) -> list[Path]:
+    """The run directory itself, or every point of a sweep directory."""
+    return point_dirs(path) or [path]
 
 
 def job_ids(path: Path) -> list[str]:
     """The jobs of a run directory, or of every point of a sweep directory."""
-    ids = recorded_jobs(path) or [j for point in point_dirs(path) for j in recorded_jobs(point)]
-    if not ids:
-        sys.exit(f"error: {path} has no SLURM jobs (no slurm/{JOBS_FILE}); was it launched with launcher=slurm?")
-    return ids
+    return [j for run_dir in run_dirs(path) for j in recorded_jobs(run_dir)]
 
 
-def job_state(job_id: str) -> dict[str, str]:
-    """State, elapsed time and nodes of the job's allocation, from sacct ('UNKNOWN' until accounting has it)."""
-    fields = ["State", "Elapsed", "NodeList", "ExitCode"]
-    out = subprocess.run(
-        ["sacct", "-j", job_id, "-X", "-n", "-P", "--format=" + ",".join(fields)], capture_output=True, text=True
-    )
-    lines = [line for line in out.stdout.splitlines() if line.strip()]
-    values = lines[-1].split("|") if lines else ["UNKNOWN", "", "", ""]
-    state = values[0].split()[0] if values[0] else "UNKNOWN"  # "CANCELLED by 0" -> CANCELLED
-    return {"state": state, **dict(zip(fields[1:], values[1:]))}
+def holder(run_dir: Path) -> str:
+    lease = read_lease(run_dir)
+    if lease is None:
+        return "free (no lease)"
+    alive, state = lease_holder_alive(lease)
+    return f"{'held by' if alive else 'stale lease of'} {lease.holder} ({state})"
 
 
 def status(run_dir: Path) -> int:
+    for directory in run_dirs(run_dir):
+        print(f"{directory}: {holder(directory)}")
+    if not job_ids(run_dir):
+        return 0
     print(f"{'job':>10}  {'state':<12} {'elapsed':>10}  nodes")
     for job_id in job_ids(run_dir):
         info = job_state(job_id)
@@ -47,6 +50,9 @@ def status(run_dir: Path) -> int:
 
 
 def logs(run_dir: Path, task: int, lines: int, stream: str) -> int:
+    if not job_ids(run_dir):
+        print(f"error: {run_dir} has no SLURM jobs (no slurm/{JOBS_FILE}): a local run logs to its console", file=sys.stderr)
+        return 2
     job_id = job_ids(run_dir)[-1]
     path = slurm_folder(run_dir) / f"{job_id}_{task}_log.{stream}"
     if not path.exists():
@@ -57,12 +63,16 @@ def logs(run_dir: Path, task: int, lines: int, stream: str) -> int:
 
 
 def cancel(run_dir: Path) -> int:
-    active = [j for j in job_ids(run_dir) if job_state(j)["state"] not in FINISHED]
-    if not active:
-        print("no running or pending job")
-        return 0
-    subprocess.run(["scancel", *active], check=True)
-    print(f"cancelled: {' '.join(active)}")
+    """Stop whatever still holds the run (or the points of a sweep), and its recorded jobs that are still active."""
+    done, leases = [], [lease for d in run_dirs(run_dir) if (lease := read_lease(d)) is not None and lease_holder_alive(lease)[0]]
+    for lease in leases:
+        done.append(get_backend(lease.backend).cancel(lease))
+    held = {lease.job_id for lease in leases}
+    active = [j for j in job_ids(run_dir) if j not in held and job_state(j)["state"] in ACTIVE]
+    if active:
+        subprocess.run(["scancel", *active], check=True)
+        done.append(f"cancelled: {' '.join(active)}")
+    print("\n".join(done) or "nothing holds the run: no running or pending job")
     return 0
 
 

@@ -10,17 +10,27 @@ node runs the same command with launcher.rdzv_endpoint=HOST:PORT of the first no
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import ipaddress
 import os
+import signal
+import socket
 import sys
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig
 
 from launcher.agent import run_agent
+from launcher.backend import Backend, check_run_dir_free
+from launcher.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.schema import Config
-from train.dist import available_cores
+from train.dist import PARENT_ENV, available_cores
+from train.status import write_status
 
 
 def procs_per_node(cfg: Config) -> int:
@@ -31,7 +41,7 @@ def world_size(cfg: Config) -> int:
     return cfg.trainer.nodes * procs_per_node(cfg)
 
 
-def rendezvous_id(cfg: Config, run_dir: Path) -> str:
+def rendezvous_id(cfg: Config | DictConfig, run_dir: Path) -> str:
     """Nodes of one run must agree on the id: derive it from the run directory (the same path on every node)."""
     return cfg.launcher.rdzv_id or "run-" + hashlib.sha1(str(run_dir).encode()).hexdigest()[:16]
 
@@ -63,6 +73,129 @@ def launch_local(cfg: Config, run_dir: Path, snapshot: Path) -> None:
     # As torchrun does: OpenMP and BLAS pools in the workers (oneDNN's, numpy's) size themselves from this, not
     # from torch.set_num_threads; unset, every process would start one thread per core.
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(cfg)))
+    # The workers die with this process (train/__main__.py): if it is killed, its lease may be taken over at once.
+    os.environ[PARENT_ENV] = str(os.getpid())
     # -P: not the working directory first on the path (a user's train.py there is not our `train`); the user's
     # modules come from the snapshot's import_path, after ours.
     run_agent(launch_config(cfg, run_dir), sys.executable, ["-u", "-P", "-m", "train", str(snapshot)])
+
+
+@contextlib.contextmanager
+def hold(run_dir: Path, nodes: int = 1):
+    """This machine's lock on the run directory: a second launch into it fails at once instead of two runs
+    writing the same checkpoints.
+
+    A run on several nodes (without SLURM) has one launcher per node, all pointed at the same shared directory:
+    they hold it together (a shared lock, which a one-node launch cannot join), and each node holds its own
+    per-host lock, so the same node cannot be started twice."""
+    what = f"hydra.run.dir={run_dir}"
+    if nodes == 1:
+        with flock(run_dir, fcntl.LOCK_EX, what):
+            yield
+        return
+    host = socket.gethostname()
+    with flock(run_dir, fcntl.LOCK_SH, what), flock(run_dir, fcntl.LOCK_EX, f"{what} (on {host})", f"{LOCK_FILE}.{host}"):
+        yield
+
+
+def _hosts_rendezvous(host: str) -> bool:
+    """Whether this node is the one the endpoint names, so its launcher will listen there. By name: on a machine
+    that runs several nodes (tests, containers), the other nodes' launchers connect to that port, they do not
+    listen on it, so a taken port is expected there."""
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback or _bindable(host)
+    except ValueError:  # a name: another machine's
+        return False
+
+
+def _bindable(address: str) -> bool:
+    try:
+        with socket.socket() as probe:
+            probe.bind((address, 0))  # only addresses of this machine can be bound
+        return True
+    except OSError:
+        return False
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous store binds
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def _check_endpoint(cfg: Config, problems: list[str]) -> None:
+    endpoint = cfg.launcher.rdzv_endpoint
+    if not endpoint:
+        return
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        problems.append(f"launcher.rdzv_endpoint={endpoint!r} is not HOST:PORT, e.g. node0:29400.")
+    elif _hosts_rendezvous(host) and _port_in_use(int(port)):
+        problems.append(
+            f"launcher.rdzv_endpoint={endpoint}: port {port} is already in use on this machine, which hosts the "
+            f"rendezvous (another run, or another program): pick a free port and use it on every node."
+        )
+
+
+class Local(Backend):
+    """The workers of this node, under torch elastic; several nodes: the same command on each."""
+
+    name = "local"
+
+    def validate(self, cfg: Config, problems: list[str]) -> None:
+        if cfg.trainer.nodes > 1 and not cfg.launcher.rdzv_endpoint:
+            problems.append(
+                f"trainer.nodes={cfg.trainer.nodes} needs launcher.rdzv_endpoint=HOST:PORT, the address of the first "
+                f"node (run the same command on every node), e.g. launcher.rdzv_endpoint=node0:29400."
+            )
+        _check_endpoint(cfg, problems)
+
+    @contextlib.contextmanager
+    def hold(self, cfg: DictConfig, run_dir: Path):
+        nodes = cfg.trainer.nodes
+        host, pid = socket.gethostname(), os.getpid()
+        # The nodes of one run share the lease: its key is the run's rendezvous, the same on every node.
+        key = f"local:{rendezvous_id(cfg, run_dir)}" if nodes > 1 else f"local:{host}:{pid}"
+        holder = f"the launchers of rendezvous {rendezvous_id(cfg, run_dir)}" if nodes > 1 else f"launcher pid {pid} on {host}"
+        with hold(run_dir, nodes):
+            taken_over = check_run_dir_free(run_dir, key)
+            if taken_over:
+                print(taken_over, file=sys.stderr)
+            with Renewer(run_dir, Lease(backend=self.name, holder=holder, key=key)):
+                yield
+
+    def start(self, cfg: Config, run_dir: Path, snapshot: Path) -> int:
+        try:
+            launch_local(cfg, run_dir, snapshot)
+        except ChildFailedError as error:
+            print(f"error: training failed.\n{error.format_msg()}", file=sys.stderr)
+            write_status(run_dir, "failed", error=f"rank {error.get_first_failure()[0]} failed")
+            return 1
+        except SignalException as error:
+            print(f"stopped by {error.sigval.name}; the workers were stopped. Run the same command again to resume "
+                  f"from the last checkpoint in {run_dir}.", file=sys.stderr)
+            sys.exit(128 + error.sigval.value)  # a signal stops a whole sweep too
+        return 0
+
+    def holder_alive(self, lease: Lease) -> tuple[bool, str]:
+        if lease.host != socket.gethostname():  # another machine's process: its renewals tell
+            return super().holder_alive(lease)
+        try:
+            os.kill(lease.pid, 0)
+        except ProcessLookupError:
+            return False, f"pid {lease.pid} has ended"
+        except PermissionError:  # another user's process
+            pass
+        return True, f"pid {lease.pid} runs"
+
+    def cancel(self, lease: Lease) -> str:
+        if lease.host != socket.gethostname():
+            return f"{lease.holder} runs on {lease.host}: stop it there (Ctrl-C, or kill -TERM {lease.pid})"
+        os.kill(lease.pid, signal.SIGTERM)  # the launcher stops its workers, which save first
+        return f"sent SIGTERM to {lease.holder}: its workers save and stop"

@@ -7,23 +7,16 @@ Hydra runs here and only here. Workers never re-enter `@hydra.main`: they read R
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from launcher.jobs import FINISHED, job_state
-from launcher.local import launch_local
-from launcher.rundir import RunDirBusy, hold
-from launcher.schema import Config
-from launcher.slurm import submit
+from launcher.backend import BACKENDS, Backend, get_backend
+from launcher.lease import RunDirBusy
 from launcher.summary import summary
 from launcher.validate import ConfigError, typed_config, validate
 from train.config import CONFIG_FILE, flatten
@@ -53,33 +46,36 @@ def import_path() -> list[str]:
     return list(dict.fromkeys(str(Path(p).resolve()) for p in paths if p))
 
 
-def submit_to_slurm(cfg: Config, run_dir: Path, snapshot: Path) -> int:
-    """Submit one job and return at once (or, with launcher.wait=true, when it ends). Returns the exit code."""
-    from submitit.core.utils import FailedJobError
-
-    try:
-        job = submit(cfg, run_dir, snapshot)
-    except (FailedJobError, subprocess.CalledProcessError) as error:
-        print(f"error: sbatch refused the job: {error}", file=sys.stderr)
-        write_status(run_dir, "failed", error=f"sbatch refused the job: {error}")
-        return 2
-    write_status(run_dir, "submitted", job_id=job.job_id)
-    print(
-        f"submitted SLURM job {job.job_id}\n"
-        f"  logs:   {job.paths.folder}/{job.job_id}_<task>_log.out and .err (task = rank)\n"
-        f"  follow: python -m launcher.jobs status {run_dir}   (also: logs, cancel)",
-        flush=True,
-    )
-    if not cfg.launcher.wait:
-        return 0
-    while (state := job_state(job.job_id)["state"]) not in FINISHED:  # through requeues, until it really ends
-        time.sleep(2)
-    print(f"job {job.job_id} ended: {state}")
-    return 0 if state == "COMPLETED" else 1
+def write_hydra_record(run_dir: Path) -> None:
+    """Hydra's record of the launch (RUN_DIR/.hydra: overrides, Hydra's config), written once the directory is
+    held (hydra.output_subdir is null, so that Hydra itself writes nothing into a directory another run owns)."""
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    record = run_dir / ".hydra"
+    record.mkdir(exist_ok=True)
+    OmegaConf.save(hydra_cfg.overrides.task, record / "overrides.yaml")
+    OmegaConf.save(hydra_cfg, record / "hydra.yaml")
 
 
 def launch(cfg: DictConfig, run_dir: Path) -> int:
-    """Validate, snapshot, and run (or submit) one run. Returns its exit code; writes RUN_DIR/status.json."""
+    """Hold the run directory, then validate, snapshot, and run (or submit) one run. Returns its exit code."""
+    try:
+        backend = get_backend(cfg.launcher.name)
+    except KeyError:
+        print(f"error: launcher.name={cfg.launcher.name!r} is not one of: {', '.join(sorted(BACKENDS))} "
+              f"(choose with launcher=local or launcher=slurm).", file=sys.stderr)
+        return 2
+    try:
+        with backend.hold(cfg, run_dir):  # nothing is written into the directory before it is ours
+            return prepare_and_start(cfg, run_dir, backend)
+    except RunDirBusy as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
+    write_hydra_record(run_dir)
     unset = sorted(OmegaConf.missing_keys(cfg))
     if unset:  # `???` in a config file: a value the user must give
         message = f"the config leaves {', '.join(unset)} unset (??? in its file): give {'them' if len(unset) > 1 else 'it'} " \
@@ -91,39 +87,13 @@ def launch(cfg: DictConfig, run_dir: Path) -> int:
     cfg.data.root = str(Path(cfg.data.root).expanduser().resolve())
     # Where the user's own modules come from, for the workers (locally and on SLURM) to import them too.
     cfg.import_path = import_path()
-    if cfg.launcher.name == "slurm" and f"SIG{cfg.launcher.signal}" not in cfg.trainer.stop_signals:
-        # SLURM's warning signal must make the trainer save and stop (then the job requeues itself).
-        cfg.trainer.stop_signals.append(f"SIG{cfg.launcher.signal}")
+    backend.adjust(cfg)
     try:
         typed = typed_config(cfg)
         validate(typed, run_dir)
     except ConfigError as error:
         print(f"error: the config has {len(error.problems)} problem(s):\n{error}", file=sys.stderr)
         write_status(run_dir, "failed", error=str(error).strip())
-        return 2
-
-    try:
-        # Several nodes without SLURM: one launcher per node shares the directory.
-        with hold(run_dir, typed.trainer.nodes if typed.launcher.name == "local" else 1):
-            return start(cfg, typed, run_dir)
-    except RunDirBusy as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-
-
-def active_job(run_dir: Path) -> tuple[str, str] | None:
-    """The SLURM job that still owns this run directory, if any: (job id, state)."""
-    status = read_status(run_dir)
-    if status.get("status") != "submitted":
-        return None
-    state = job_state(status["job_id"])["state"]
-    return None if state in FINISHED else (status["job_id"], state)
-
-
-def start(cfg: DictConfig, typed: Config, run_dir: Path) -> int:
-    if (job := active_job(run_dir)) is not None:
-        print(f"error: SLURM job {job[0]} ({job[1]}) still runs this directory ({run_dir}): wait for it, or cancel it "
-              f"with python -m launcher.jobs cancel {run_dir}", file=sys.stderr)
         return 2
     snapshot, changed = write_snapshot(cfg, run_dir)
     if not changed and read_status(run_dir).get("status") == "finished":
@@ -133,19 +103,7 @@ def start(cfg: DictConfig, typed: Config, run_dir: Path) -> int:
     if typed.launcher.dry_run:
         print(f"dry run: nothing started. Run one rank by hand with: python -m train {snapshot}")
         return 0
-    if typed.launcher.name == "slurm":
-        return submit_to_slurm(typed, run_dir, snapshot)
-    try:
-        launch_local(typed, run_dir, snapshot)
-    except ChildFailedError as error:
-        print(f"error: training failed.\n{error.format_msg()}", file=sys.stderr)
-        write_status(run_dir, "failed", error=f"rank {error.get_first_failure()[0]} failed")
-        return 1
-    except SignalException as error:
-        print(f"stopped by {error.sigval.name}; the workers were stopped. Run the same command again to resume "
-              f"from the last checkpoint in {run_dir}.", file=sys.stderr)
-        sys.exit(128 + error.sigval.value)  # a signal stops a whole sweep too
-    return 0
+    return backend.start(typed, run_dir, snapshot)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

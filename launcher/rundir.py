@@ -8,11 +8,7 @@ extending a run with trainer.max_steps=... resumes it.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
-import os
-import socket
 import sys
 from pathlib import Path
 
@@ -27,7 +23,6 @@ NOT_IN_RUN_NAME = (
     "hydra.",
     "launcher.",
     "checkpoint.",
-    "data.root",
     "data.download",
     "trainer.max_steps",
     "trainer.progress",
@@ -85,45 +80,3 @@ class CheckRunDir(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         HydraConfig.instance().set_config(config)
         check_writable(Path(config.hydra.sweep.dir), "hydra.sweep.dir")
-
-
-LOCK_FILE = ".launcher.lock"
-
-
-class RunDirBusy(RuntimeError):
-    pass
-
-
-def _lock(path: Path, mode: int, what: str):
-    """An flock on `path` (released by the OS when this process dies, however it dies), or RunDirBusy."""
-    lock = open(path, "a+")
-    try:
-        fcntl.flock(lock, mode | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "?"
-        lock.close()
-        raise RunDirBusy(f"{what} is in use by another launcher ({holder}): wait for it to finish, stop it, or choose "
-                         f"another hydra.run.dir.") from None
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
-    lock.flush()
-    return lock
-
-
-@contextlib.contextmanager
-def hold(run_dir: Path, nodes: int = 1):
-    """Hold the run directory for this launcher: a second launch into it fails at once instead of two runs
-    writing the same checkpoints.
-
-    A run on several nodes (without SLURM) has one launcher per node, all pointed at the same shared directory:
-    they hold it together (a shared lock, which a one-node launch cannot join), and each node holds its own
-    per-host lock, so the same node cannot be started twice."""
-    what = f"hydra.run.dir={run_dir}"
-    if nodes == 1:
-        with _lock(run_dir / LOCK_FILE, fcntl.LOCK_EX, what):
-            yield
-        return
-    with _lock(run_dir / LOCK_FILE, fcntl.LOCK_SH, what), \
-            _lock(run_dir / f"{LOCK_FILE}.{socket.gethostname()}", fcntl.LOCK_EX, f"{what} (on {socket.gethostname()})"):
-        yield

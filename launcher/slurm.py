@@ -15,19 +15,64 @@ ignores SIGTERM, so that it does not end the job while the tasks save.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from omegaconf import DictConfig
+
+from launcher.backend import Backend, check_run_dir_free
+from launcher.lease import Lease, Renewer, flock, read_lease, write_lease
 from launcher.local import procs_per_node
 from launcher.schema import Config
+from train.status import read_status, write_status
 
 JOBS_FILE = "jobs.jsonl"
 ENV_CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+# A job in these states may still start or run tasks that write its run directory (a requeued job is PENDING
+# again, REQUEUE_HOLD/SPECIAL_EXIT until released); in the final ones it never will. Others (PREEMPTED, NODE_FAIL
+# with --requeue) may turn into a requeue: there, the lease's expiry decides.
+ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD", "SUSPENDED",
+          "CONFIGURING", "COMPLETING", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED")
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+def job_state(job_id: str) -> dict[str, str]:
+    """State, elapsed time and nodes of a job: from the controller (`scontrol show job`, which knows every job
+    until MinJobAge after its end, with or without accounting), else from accounting (sacct), else UNKNOWN."""
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+        fields = dict(item.partition("=")[::2] for item in shown.stdout.split()) if shown.returncode == 0 else {}
+    except (OSError, subprocess.TimeoutExpired):
+        fields = {}
+    if fields.get("JobState"):
+        return {"state": fields["JobState"], "Elapsed": fields.get("RunTime", ""), "NodeList": fields.get("NodeList", ""),
+                "ExitCode": fields.get("ExitCode", "")}
+    names = ["State", "Elapsed", "NodeList", "ExitCode"]
+    try:
+        out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "--format=" + ",".join(names)],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    lines = [line for line in out.splitlines() if line.strip()]
+    values = lines[-1].split("|") if lines else ["UNKNOWN", "", "", ""]
+    state = values[0].split()[0] if values[0] else "UNKNOWN"  # "CANCELLED by 0" -> CANCELLED
+    return {"state": state, **dict(zip(names[1:], values[1:]))}
+
+
+def job_lease(job_id: str) -> Lease:
+    return Lease(backend="slurm", holder=f"SLURM job {job_id}", key=f"slurm:{job_id}", job_id=job_id)
 
 
 def slurm_folder(run_dir: Path) -> Path:
@@ -69,22 +114,39 @@ class SlurmTask:
         self.requeue_signal = requeue_signal
 
     def __call__(self) -> dict:
+        from launcher.backend import lease_holder_alive
         from train.run import main
 
         export_env_from_slurm()
         clear_unfinished_result()
+        job_id, run_dir = os.environ["SLURM_JOB_ID"], Path(self.snapshot).parent
+        mine, current = job_lease(job_id), read_lease(run_dir)
+        if current is not None and current.key != mine.key and (owner := lease_holder_alive(current))[0]:
+            # Taken over while this job waited (its lease expired where SLURM could not be asked): not ours to write.
+            message = f"job {job_id} does not start: {run_dir} belongs to {current.holder} ({owner[1]})"
+            print(f"error: {message}", file=sys.stderr)
+            return {"status": "refused", "error": message}
+        # Rank 0 keeps the job's lease fresh while it runs (a node that cannot ask SLURM relies on the expiry).
+        renewer = Renewer(run_dir, mine).__enter__() if os.environ["RANK"] == "0" else None
         outcome = main(self.snapshot)
-        if outcome.status == "stopped" and (outcome.signal == self.requeue_signal or
-                                           (outcome.signal == "SIGTERM" and being_preempted(os.environ["SLURM_JOB_ID"]))):
-            self._requeue()
+        requeue = outcome.status == "stopped" and (outcome.signal == self.requeue_signal or
+                                                   (outcome.signal == "SIGTERM" and being_preempted(job_id)))
+        if requeue and self._requeues_left(job_id):
+            if renewer:
+                renewer.stop(release_lease=False)  # the requeued job still owns the directory
+            self._requeue(job_id)
+        elif renewer:
+            renewer.stop(release_lease=True)  # a clean end: the directory is free
         return {"status": outcome.status, "step": outcome.step, **outcome.metrics}
 
-    def _requeue(self) -> None:
-        job_id = os.environ["SLURM_JOB_ID"]
+    def _requeues_left(self, job_id: str) -> bool:
+        if int(os.environ.get("SLURM_RESTART_COUNT", "0")) < self.max_requeues:
+            return True
+        print(f"not requeuing job {job_id}: launcher.max_requeues={self.max_requeues} reached", file=sys.stderr)
+        return False
+
+    def _requeue(self, job_id: str) -> None:
         done = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-        if done >= self.max_requeues:
-            print(f"not requeuing job {job_id}: launcher.max_requeues={self.max_requeues} reached", file=sys.stderr)
-            return
         if os.environ.get("RANK") == "0":
             # The checkpoint is committed (saving was collective); now SLURM may stop every task and requeue.
             requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
@@ -181,3 +243,140 @@ def submit(cfg: Config, run_dir: Path, snapshot: Path):
     with open(slurm_folder(run_dir) / JOBS_FILE, "a") as f:
         f.write(json.dumps(record) + "\n")
     return job
+
+
+# Values written into the batch script's `#SBATCH --key=value` lines: a newline would add script lines, a space or
+# a quote would cut the line where sbatch splits it.
+UNSAFE_IN_SCRIPT = re.compile(r"""[\s"'`\\$;]|[^\x20-\x7e]""")
+SBATCH_KEY = re.compile(r"[a-z][a-z0-9_-]*")
+
+
+def _script_values(cfg: Config) -> dict[str, str]:
+    s = cfg.launcher
+    values = {"name": cfg.name, "launcher.partition": s.partition, "launcher.account": s.account, "launcher.qos": s.qos,
+              "launcher.constraint": s.constraint}
+    return values | {f"launcher.sbatch.{key}": str(value) for key, value in s.sbatch.items()}
+
+
+def _slurm(*args: str) -> list[str]:
+    out = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip() or f"{args[0]} exited with {out.returncode}")
+    return out.stdout.split()
+
+
+class Slurm(Backend):
+    """One SLURM job through submitit; it owns the run directory from submission until it ends for good."""
+
+    name = "slurm"
+    runs_here = False
+
+    def adjust(self, cfg: DictConfig) -> None:
+        if f"SIG{cfg.launcher.signal}" not in cfg.trainer.stop_signals:
+            # SLURM's warning signal must make the trainer save and stop (then the job requeues itself).
+            cfg.trainer.stop_signals.append(f"SIG{cfg.launcher.signal}")
+
+    def validate(self, cfg: Config, problems: list[str]) -> None:
+        s = cfg.launcher
+        if f"SIG{s.signal}" not in signal.Signals.__members__:
+            problems.append(f"launcher.signal={s.signal!r} is not a signal name without SIG (e.g. USR2).")
+        for key, value, minimum in (("launcher.time_min", s.time_min, 1), ("launcher.max_requeues", s.max_requeues, 0)):
+            if value < minimum:
+                problems.append(f"{key}={value} must be at least {minimum}.")
+        if s.max_restarts:
+            problems.append(
+                f"launcher.max_restarts={s.max_restarts} restarts the workers of a local launch (torch elastic); a SLURM "
+                f"job ends when a rank fails, and a new launch of the same command resumes it: leave launcher.max_restarts "
+                f"out with launcher=slurm (launcher.max_requeues bounds the requeues after a time limit or preemption).")
+        for key, value in _script_values(cfg).items():
+            if UNSAFE_IN_SCRIPT.search(value):
+                problems.append(f"{key}={value!r} goes into the job's batch script, where spaces, quotes, newlines, "
+                                f"'$', ';' and '\\' break it: use a value without them.")
+        bad_keys = [key for key in s.sbatch if not SBATCH_KEY.fullmatch(str(key))]
+        if bad_keys:
+            problems.append(f"launcher.sbatch has option name(s) {bad_keys} that are not sbatch options (lowercase "
+                            f"letters, digits, '-' and '_', e.g. launcher.sbatch.gres=gpu:4).")
+        if shutil.which("sbatch") is None:
+            problems.append("launcher=slurm needs SLURM's sbatch, which is not on PATH here: run from a SLURM login node, "
+                            "or use launcher=local to train on this machine.")
+            return
+        self._check_cluster(cfg, problems)
+
+    def _check_cluster(self, cfg: Config, problems: list[str]) -> None:
+        s = cfg.launcher
+        try:
+            listed = _slurm("sinfo", "-h", "-o", "%P")  # the default partition is marked with a *
+            partitions = [p.rstrip("*") for p in listed]
+            default = next((p.rstrip("*") for p in listed if p.endswith("*")), None)
+            partition = s.partition or default
+            if s.partition and s.partition not in partitions:
+                problems.append(f"launcher.partition={s.partition!r} does not exist on this cluster; choose one of: "
+                                f"{', '.join(partitions)}.")
+                return
+            nodes = sum(int(n) for n in _slurm("sinfo", "-h", "-p", partition, "-o", "%D")) if partition else 0
+            if partition and cfg.trainer.nodes > nodes:
+                problems.append(f"trainer.nodes={cfg.trainer.nodes}, but partition {partition!r} has {nodes} node(s): "
+                                f"use trainer.nodes={nodes} or fewer, or another launcher.partition.")
+        except (RuntimeError, subprocess.TimeoutExpired) as error:
+            problems.append(f"launcher=slurm: cannot reach the SLURM controller ({error}); check SLURM_CONF and that "
+                            f"slurmctld runs.")
+
+    @contextlib.contextmanager
+    def hold(self, cfg: DictConfig, run_dir: Path):
+        # Held for the launch only (check, submit, write the job's lease); the job then holds the lease itself.
+        with flock(run_dir, fcntl.LOCK_EX, f"hydra.run.dir={run_dir}"):
+            taken_over = check_run_dir_free(run_dir, key="")
+            if taken_over:
+                print(taken_over, file=sys.stderr)
+            yield
+
+    def start(self, cfg: Config, run_dir: Path, snapshot: Path) -> int:
+        """Submit one job and return at once (or, with launcher.wait=true, when it ends for good)."""
+        from submitit.core.utils import FailedJobError
+
+        try:
+            job = submit(cfg, run_dir, snapshot)
+        except (FailedJobError, subprocess.CalledProcessError) as error:
+            print(f"error: sbatch refused the job: {error}", file=sys.stderr)
+            write_status(run_dir, "failed", error=f"sbatch refused the job: {error}")
+            return 2
+        write_lease(run_dir, job_lease(job.job_id).renewed())
+        write_status(run_dir, "submitted", job_id=job.job_id)
+        print(
+            f"submitted SLURM job {job.job_id}\n"
+            f"  logs:   {job.paths.folder}/{job.job_id}_<task>_log.out and .err (task = rank)\n"
+            f"  follow: python -m launcher.jobs status {run_dir}   (also: logs, cancel)",
+            flush=True,
+        )
+        return wait_for_job(job.job_id, run_dir) if cfg.launcher.wait else 0
+
+    def holder_alive(self, lease: Lease) -> tuple[bool, str]:
+        state = job_state(lease.job_id)["state"]
+        if state in ACTIVE:
+            return True, state
+        if state in FINAL:
+            return False, state
+        alive, expiry = super().holder_alive(lease)  # PREEMPTED, NODE_FAIL (may requeue), or SLURM cannot say
+        return alive, f"{state}, {expiry}"
+
+    def cancel(self, lease: Lease) -> str:
+        subprocess.run(["scancel", lease.job_id], check=True)
+        return f"cancelled: {lease.job_id}"
+
+
+def wait_for_job(job_id: str, run_dir: Path, poll_s: float = 2.0) -> int:
+    """Block until the job has ended for good (through requeues): its lease released or its owner gone. The exit
+    code: 0 if the run finished (status.json), else 1."""
+    while True:
+        lease = read_lease(run_dir)
+        if lease is None or lease.key != job_lease(job_id).key:
+            break  # released at a clean end (or taken over once the job had ended)
+        alive, state = Slurm().holder_alive(lease)
+        if not alive:
+            break
+        time.sleep(poll_s)
+    while job_state(job_id)["state"] in ACTIVE:  # released at its clean end: the job is about to end
+        time.sleep(poll_s)
+    status = read_status(run_dir).get("status", "unknown")
+    print(f"job {job_id} ended: {job_state(job_id)['state']}; the run is {status}")
+    return 0 if status == "finished" else 1

@@ -6,31 +6,28 @@ fixes a bad command in one round instead of watching N ranks crash (or hang) one
 
 from __future__ import annotations
 
-import ipaddress
-import shutil
 import signal
-import socket
-import subprocess
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
+from launcher.backend import BACKENDS, get_backend
 from launcher.local import world_size
 from launcher.schema import Config
-from train.checkpoint import refuse_fresh_start_over
-from train.config import CHECKPOINT_FORMATS, checkpoint_format
+from train.checkpoint import checkpoint_dir, committed, refuse_fresh_start_over
+from train.config import CHECKPOINT_FORMATS, CONFIG_FILE, checkpoint_format
 from train.console import PROGRESS_MODES
 from launcher.targets import check_targets
 from train.data import DatasetMissing, prepare
 from train.dist import resolve_backend
+from train.identity import describe, identity_changes
 from train.models import pipeline_stages
 from train.parallel import GRAD_COMPRESSIONS, MEMORY_FORMATS
 from train.strategies import PIPELINE_SCHEDULES, STRATEGIES
 
 PRECISIONS = ("32", "bf16", "fp16")
-LAUNCHERS = ("local", "slurm")
 
 
 class ConfigError(ValueError):
@@ -66,11 +63,11 @@ def _at_least(problems: list[str], key: str, value, minimum, fix: str = "") -> N
         problems.append(f"{key}={value} must be at least {minimum}{'; ' + fix if fix else '.'}")
 
 
-def _check_world(cfg: Config, problems: list[str], cuda_devices: int) -> None:
+def _check_world(cfg: Config, problems: list[str], cuda_devices: int, runs_here: bool) -> None:
     t = cfg.trainer
     _at_least(problems, "trainer.nodes", t.nodes, 1)
     _at_least(problems, "trainer.gpus", t.gpus, 0, "use 0 to train on CPU")
-    if cfg.launcher.name == "slurm":  # the GPUs are on the cluster's nodes, not on this machine
+    if not runs_here:  # the GPUs are on the cluster's nodes, not on this machine
         cuda_devices = max(cuda_devices, t.gpus)
     if t.gpus > cuda_devices:
         problems.append(
@@ -89,56 +86,6 @@ def _check_world(cfg: Config, problems: list[str], cuda_devices: int) -> None:
             )
     if _choice(problems, "trainer.precision", t.precision, PRECISIONS) and t.precision == "fp16" and t.gpus == 0:
         problems.append("trainer.precision=fp16 needs GPUs (trainer.gpus > 0): on CPU use trainer.precision=bf16 or 32.")
-    if t.nodes > 1 and not cfg.launcher.rdzv_endpoint and cfg.launcher.name == "local":
-        problems.append(
-            f"trainer.nodes={t.nodes} needs launcher.rdzv_endpoint=HOST:PORT, the address of the first node "
-            f"(run the same command on every node), e.g. launcher.rdzv_endpoint=node0:29400."
-        )
-
-
-def _hosts_rendezvous(host: str) -> bool:
-    """Whether this node is the one the endpoint names, so its launcher will listen there. By name: on a machine
-    that runs several nodes (tests, containers), the other nodes' launchers connect to that port, they do not
-    listen on it, so a taken port is expected there."""
-    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback or _bindable(host)
-    except ValueError:  # a name: another machine's
-        return False
-
-
-def _bindable(address: str) -> bool:
-    try:
-        with socket.socket() as probe:
-            probe.bind((address, 0))  # only addresses of this machine can be bound
-        return True
-    except OSError:
-        return False
-
-
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous store binds
-        try:
-            probe.bind(("", port))
-        except OSError:
-            return True
-    return False
-
-
-def _check_endpoint(cfg: Config, problems: list[str]) -> None:
-    endpoint = cfg.launcher.rdzv_endpoint
-    if not endpoint:
-        return
-    host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit():
-        problems.append(f"launcher.rdzv_endpoint={endpoint!r} is not HOST:PORT, e.g. node0:29400.")
-    elif _hosts_rendezvous(host) and _port_in_use(int(port)):
-        problems.append(
-            f"launcher.rdzv_endpoint={endpoint}: port {port} is already in use on this machine, which hosts the "
-            f"rendezvous (another run, or another program): pick a free port and use it on every node."
-        )
 
 
 def _check_training(cfg: Config, problems: list[str]) -> None:
@@ -177,7 +124,6 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
                         f"would write {checkpoint_format(cfg)!r} checkpoints), or leave async_save out.")
     _at_least(problems, "data.num_workers", d.num_workers, 0, "0 loads in the training process")
     _at_least(problems, "launcher.max_restarts", cfg.launcher.max_restarts, 0)
-    _choice(problems, "launcher.name", cfg.launcher.name, LAUNCHERS)
 
 
 def _model_on_meta(cfg: Config):
@@ -251,52 +197,33 @@ def _check_files(cfg: Config, run_dir: Path, problems: list[str]) -> None:
             refuse_fresh_start_over(run_dir)
         except FileExistsError as error:
             problems.append(str(error))
+    else:
+        _check_same_run(cfg, run_dir, problems)
 
 
-def _slurm(*args: str) -> list[str]:
-    out = subprocess.run(args, capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr.strip() or f"{args[0]} exited with {out.returncode}")
-    return out.stdout.split()
-
-
-def _check_slurm(cfg: Config, problems: list[str]) -> None:
-    s = cfg.launcher
-    if f"SIG{s.signal}" not in signal.Signals.__members__:
-        problems.append(f"launcher.signal={s.signal!r} is not a signal name without SIG (e.g. USR2).")
-    _at_least(problems, "launcher.time_min", s.time_min, 1)
-    _at_least(problems, "launcher.max_requeues", s.max_requeues, 0)
-    if shutil.which("sbatch") is None:
-        problems.append(
-            "launcher=slurm needs SLURM's sbatch, which is not on PATH here: run from a SLURM login node, or "
-            "use launcher=local to train on this machine."
-        )
+def _check_same_run(cfg: Config, run_dir: Path, problems: list[str]) -> None:
+    """A run directory with checkpoints resumes only the run that wrote them (train/identity.py): the config of the
+    last launch here (RUN_DIR/config.yaml, written only by launches that passed this check) is theirs."""
+    previous = run_dir / CONFIG_FILE
+    if not previous.exists() or not committed(checkpoint_dir(run_dir)):
         return
-    try:
-        listed = _slurm("sinfo", "-h", "-o", "%P")  # the default partition is marked with a *
-        partitions = [p.rstrip("*") for p in listed]
-        default = next((p.rstrip("*") for p in listed if p.endswith("*")), None)
-        partition = s.partition or default
-        if s.partition and s.partition not in partitions:
-            problems.append(f"launcher.partition={s.partition!r} does not exist on this cluster; choose one of: {', '.join(partitions)}.")
-            return
-        nodes = sum(int(n) for n in _slurm("sinfo", "-h", "-p", partition, "-o", "%D")) if partition else 0
-        if partition and cfg.trainer.nodes > nodes:
-            problems.append(
-                f"trainer.nodes={cfg.trainer.nodes}, but partition {partition!r} has {nodes} node(s): "
-                f"use trainer.nodes={nodes} or fewer, or another launcher.partition."
-            )
-    except (RuntimeError, subprocess.TimeoutExpired) as error:
-        problems.append(f"launcher=slurm: cannot reach the SLURM controller ({error}); check SLURM_CONF and that slurmctld runs.")
+    changes = identity_changes(OmegaConf.to_container(OmegaConf.load(previous)), OmegaConf.to_container(OmegaConf.structured(cfg)))
+    if changes:
+        problems.append(
+            f"hydra.run.dir={run_dir} holds checkpoints of another run, which differs in what defines a run (model, "
+            f"task, data, the optimizer's kind, trainer.seed): {describe(changes)}. Start this run in its own "
+            f"directory (hydra.run.dir={run_dir}-2, or another name), or set these values back to resume that one."
+        )
 
 
 def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> None:
     """Raise ConfigError listing every problem with `cfg` (and its data and run directory)."""
     problems: list[str] = []
-    _check_world(cfg, problems, torch.cuda.device_count() if cuda_devices is None else cuda_devices)
-    _check_endpoint(cfg, problems)
-    if cfg.launcher.name == "slurm":
-        _check_slurm(cfg, problems)
+    if not _choice(problems, "launcher.name", cfg.launcher.name, sorted(BACKENDS)):
+        raise ConfigError(problems)
+    backend = get_backend(cfg.launcher.name)
+    _check_world(cfg, problems, torch.cuda.device_count() if cuda_devices is None else cuda_devices, backend.runs_here)
+    backend.validate(cfg, problems)
     _check_training(cfg, problems)
     before = len(problems)
     check_targets(cfg, problems)

@@ -18,7 +18,12 @@ def test_overrides_that_change_the_result_name_the_run_in_a_stable_order():
 def test_watch_only_overrides_keep_the_same_run_so_it_resumes():
     base = run_tag(["optim.lr=0.1"])
     assert run_tag(["optim.lr=0.1", "trainer.max_steps=500", "trainer.progress=lines", "launcher.max_restarts=3"]) == base
-    assert run_tag(["optim.lr=0.1", "data.root=/mnt/data", "checkpoint.keep_last=1"]) == base
+    assert run_tag(["optim.lr=0.1", "checkpoint.keep_last=1"]) == base
+
+
+def test_another_data_root_is_another_run():
+    """Data read from elsewhere is other data: its run must not resume the checkpoints trained on the first."""
+    assert run_tag(["data=tokens", "data.root=data/openwebtext"]) != run_tag(["data=tokens", "data.root=data/mine"])
 
 
 def test_names_are_safe_and_bounded():

@@ -8,7 +8,7 @@ import argparse
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from train.dist import exit_without_finalizing
+from train.dist import die_with_parent, exit_without_finalizing
 from train.run import main
 
 
@@ -16,6 +16,7 @@ from train.run import main
 def cli() -> None:
     parser = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="the resolved config snapshot written by the launcher (RUN_DIR/config.yaml)")
+    die_with_parent()
     main(parser.parse_args().config)
 
 

@@ -8,8 +8,10 @@ single process.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -102,6 +104,22 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, timeout
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
         )
+
+
+# Set by the local launcher to its pid: the workers die with it. Its run directory's lease ends with it, and a
+# new launch may take the directory over; workers left running would be a second writer.
+PARENT_ENV = "TRAIN_DIE_WITH_PARENT"
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Under a launcher that sets PARENT_ENV, this process is killed when its parent (the launcher) dies."""
+    parent = os.environ.get(PARENT_ENV, "")
+    if not parent.isdigit() or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(parent):  # it died before the prctl took effect
+        os._exit(1)
 
 
 def exit_without_finalizing(code: int = 0) -> None:

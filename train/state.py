@@ -18,6 +18,7 @@ import torch
 from train.checkpoint import dcp
 from train.config import flatten
 from train.dist import DistEnv, all_gather_objects
+from train.identity import describe, identity_changes
 from train.optim import Plan
 from train.parallel import Strategy
 
@@ -112,6 +113,10 @@ def build_state(
     }
 
 
+class RunMismatch(ValueError):
+    """A checkpoint of another run (another model, data, task or optimizer): never loaded."""
+
+
 def restore_state(
     state: dict,
     *,
@@ -138,6 +143,12 @@ def restore_state(
     (CheckpointManager.read_tensors): any world size, any strategy. A single file resumes under the strategy that
     wrote it.
     """
+    changes = identity_changes(state["config"], config)
+    if changes:
+        raise RunMismatch(f"the checkpoint belongs to another run: {describe(changes)}. Resuming it would mix two runs: "
+                          f"start this one in a run directory of its own, or set these values back to resume it.")
+    # The optimizer's hyperparameters are this run's (its config), whatever the checkpoint's param_groups say.
+    hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     saved = state.get("strategy", "ddp")
     if "sharded" in state:
         restore_sharded(state, strategy, optimizer, read_tensors)
@@ -149,8 +160,16 @@ def restore_state(
             f"any strategy."
         )
     else:
-        strategy.load_model_state(state["model"])
+        try:
+            strategy.load_model_state(state["model"])
+        except RuntimeError as error:  # same config, other code: the user's model class changed
+            lines = str(error).splitlines()
+            raise RunMismatch(f"the checkpoint's model does not fit this run's model (its code changed since?): "
+                              f"{' '.join(line.strip() for line in lines[:6])}{' ...' if len(lines) > 6 else ''} "
+                              f"Resume with the model that wrote it, or start in a run directory of its own.") from None
         strategy.load_optimizer_state(optimizer, state["optimizer"])
+    for group, values in zip(optimizer.param_groups, hyperparameters):
+        group.update(values)
     scaler.load_state_dict(state["scaler"])
     if env.rank < len(state["rng"]):
         restore_rng(state["rng"][env.rank])

@@ -1,0 +1,66 @@
+"""How a run's processes are started: one small interface, one module per backend (`launcher.name`).
+
+A backend validates what only it knows, holds the run directory for the launch (RUN_DIR/lease.json, see
+launcher/lease.py), starts the run (or submits it), says whether a lease's holder still owns the directory, and
+stops a run. A new backend (a Kubernetes TrainJob next) is one new module and one line in BACKENDS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from launcher.lease import Lease, check_free
+from launcher.schema import Config
+
+BACKENDS = {"local": "launcher.local:Local", "slurm": "launcher.slurm:Slurm"}
+
+
+class Backend:
+    name = ""
+    runs_here = True  # whether the run's GPUs are this machine's (validation counts them here)
+
+    def adjust(self, cfg: DictConfig) -> None:
+        """Complete the composed config before it is typed and validated (what the backend needs of the trainer)."""
+
+    def validate(self, cfg: Config, problems: list[str]) -> None:
+        """Append a message (key, value, fix) for every setting this backend cannot honour."""
+
+    @contextlib.contextmanager
+    def hold(self, cfg: DictConfig, run_dir: Path):
+        """Own the run directory for this launch: RunDirBusy if another holder still does. Nothing is written into
+        the directory before this is entered."""
+        yield
+
+    def start(self, cfg: Config, run_dir: Path, snapshot: Path) -> int:
+        """Run (or submit) the workers of the snapshot; the exit code of the launch."""
+        raise NotImplementedError
+
+    def holder_alive(self, lease: Lease) -> tuple[bool, str]:
+        """Whether the holder of `lease` (a lease of this backend) may still write its directory, and its state in
+        words. Where this machine cannot tell, the lease's expiry decides."""
+        return not lease.expired(), "lease not expired" if not lease.expired() else "lease expired"
+
+    def cancel(self, lease: Lease) -> str:
+        """Stop the holder of `lease`; what was done, in words."""
+        raise NotImplementedError
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called `name` (launcher.name); KeyError if there is none."""
+    module, _, cls = BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+def lease_holder_alive(lease: Lease) -> tuple[bool, str]:
+    """Ask the backend that wrote `lease` (an unknown one: the expiry decides)."""
+    backend = get_backend(lease.backend) if lease.backend in BACKENDS else Backend()
+    return backend.holder_alive(lease)
+
+
+def check_run_dir_free(run_dir: Path, key: str) -> str | None:
+    """launcher.lease.check_free with every backend's answer."""
+    return check_free(run_dir, key, lease_holder_alive)

@@ -1,0 +1,138 @@
+"""RUN_DIR/lease.json: who writes this run directory now. One writer at a time, whatever launches it.
+
+A launcher reads the lease before it writes anything into the directory. The lease names its holder (a local
+launcher's process, a SLURM job) and an expiry that the holder renews while it runs; a clean end removes it.
+Whether a holder still owns the directory is its backend's answer (a local launcher: its lock and process; a
+SLURM job: pending, running, requeued or held), and where the backend cannot tell (no scheduler to ask from this
+machine), the expiry: a lease is stale only when its holder is gone and its expiry has passed. A stale lease is
+taken over, with a message.
+
+The check and the write happen under an flock of RUN_DIR/.launcher.lock, so two launchers started at the same
+moment cannot both find the directory free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+LEASE_FILE = "lease.json"
+LOCK_FILE = ".launcher.lock"
+DURATION_S = 180.0  # a lease not renewed for this long may be taken over once its holder is gone
+RENEW_EVERY_S = 30.0
+
+
+class RunDirBusy(RuntimeError):
+    pass
+
+
+@dataclass
+class Lease:
+    backend: str  # which backend answers whether the holder is alive (launcher.backend.get_backend)
+    holder: str  # what holds it, for people: "launcher pid 812 on node3", "SLURM job 4711"
+    key: str  # the holder's identity: leases with the same key are the same holder (every node of a run)
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    job_id: str = ""
+    expires: float = 0.0
+
+    def renewed(self) -> Lease:
+        self.expires = time.time() + DURATION_S
+        return self
+
+    def expired(self) -> bool:
+        return time.time() > self.expires
+
+
+def read_lease(run_dir: Path) -> Lease | None:
+    try:
+        return Lease(**json.loads((run_dir / LEASE_FILE).read_text()))
+    except (FileNotFoundError, ValueError, TypeError):
+        return None
+
+
+def write_lease(run_dir: Path, lease: Lease) -> None:
+    path = run_dir / LEASE_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(lease), indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def release(run_dir: Path, key: str) -> None:
+    """Remove the lease if it is still `key`'s (a clean end)."""
+    lease = read_lease(run_dir)
+    if lease is not None and lease.key == key:
+        (run_dir / LEASE_FILE).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def flock(run_dir: Path, mode: int, what: str, name: str = LOCK_FILE):
+    """An flock on RUN_DIR/`name` (released by the OS when this process dies, however it dies), or RunDirBusy."""
+    lock = open(run_dir / name, "a+")
+    try:
+        fcntl.flock(lock, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise RunDirBusy(f"{what} is in use by another launcher ({holder}) on this machine: wait for it to finish, "
+                         f"stop it, or choose another hydra.run.dir.") from None
+    try:
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        lock.flush()
+        yield
+    finally:
+        lock.close()
+
+
+def check_free(run_dir: Path, key: str, is_alive) -> str | None:
+    """Raise RunDirBusy if a holder other than `key` still owns the directory; call under the flock, then write
+    your own lease. `is_alive(lease) -> (bool, state)` asks the holder's backend. Returns a message when the lease
+    found is stale (it is taken over by the lease written next)."""
+    current = read_lease(run_dir)
+    if current is None or current.key == key:
+        return None
+    alive, state = is_alive(current)
+    if alive:
+        raise RunDirBusy(f"hydra.run.dir={run_dir} belongs to {current.holder} ({state}), which may still write it: "
+                         f"wait for it to end, or stop it first (python -m launcher.jobs cancel {run_dir}).")
+    return f"taking over {run_dir} from {current.holder} ({state})"
+
+
+class Renewer:
+    """Renews a lease in the background while its holder runs; `stop(release=True)` removes it (a clean end)."""
+
+    def __init__(self, run_dir: Path, lease: Lease):
+        self.run_dir, self.lease = run_dir, lease
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-renewer", daemon=True)
+
+    def __enter__(self) -> Renewer:
+        write_lease(self.run_dir, self.lease.renewed())
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(RENEW_EVERY_S):
+            current = read_lease(self.run_dir)
+            if current is not None and current.key != self.lease.key:
+                return  # taken over (we were presumed dead): never write over the new holder's lease
+            with contextlib.suppress(OSError):  # a file system hiccup: the next renewal comes before the expiry
+                write_lease(self.run_dir, self.lease.renewed())
+
+    def stop(self, release_lease: bool) -> None:
+        self._stop.set()
+        self._thread.join()
+        if release_lease:
+            release(self.run_dir, self.lease.key)
+
+    def __exit__(self, *exc) -> None:
+        self.stop(release_lease=True)

@@ -1,0 +1,183 @@
+"""One writer per run directory (RUN_DIR/lease.json), and a run identity that follows the config.
+
+The SLURM cases (a requeued job, its second attempt, accounting off) are in test_slurm.py, on the test cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+from conftest import FAST, final_checkpoint, logged_steps, read_metrics, wait_for
+
+SMALL = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=1", "trainer.log_every=2"]
+
+
+def write_lease(run_dir: Path, **fields) -> None:
+    from launcher.lease import Lease, write_lease
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_lease(run_dir, Lease(**fields))
+
+
+def workers_of(run_dir: Path) -> list[int]:
+    """Pids of live processes running a rank of this run directory's snapshot."""
+    out = subprocess.run(["pgrep", "-f", f"train {run_dir}/config.yaml"], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
+def test_a_killed_launchers_workers_die_with_it_and_the_next_launch_takes_the_directory_over(launch, tmp_path):
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "launcher", *SMALL, "trainer.procs_per_node=2", "trainer.epochs=100000",
+               "checkpoint.every_steps=5", f"hydra.run.dir={run_dir}"]
+    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as first:
+        try:
+            wait_for(lambda: any(s >= 5 for s in logged_steps(run_dir)) and len(workers_of(run_dir)) == 2, 120,
+                     "the first run to train")
+            lease = json.loads((run_dir / "lease.json").read_text())
+            assert (lease["holder"], lease["pid"]) == (f"launcher pid {first.pid} on {socket.gethostname()}", first.pid)
+            assert lease["expires"] > time.time()
+            first.send_signal(signal.SIGKILL)  # no clean end: the lease stays behind
+            first.wait()
+            # Its workers do not go on writing: they die with their launcher.
+            wait_for(lambda: not workers_of(run_dir), 30, "the orphaned workers to die")
+        finally:
+            if first.poll() is None:
+                first.kill()
+            subprocess.run(["pkill", "-9", "-f", f"train {run_dir}/config.yaml"], capture_output=True)
+    assert json.loads((run_dir / "lease.json").read_text())["pid"] == first.pid
+    second = launch(*SMALL, "trainer.procs_per_node=2", "trainer.epochs=100000", "trainer.max_steps=12",
+                    "checkpoint.every_steps=5", f"hydra.run.dir={run_dir}")
+    assert second.returncode == 0, second.stderr
+    assert f"taking over {run_dir} from launcher pid {first.pid} on {socket.gethostname()} (pid {first.pid} has ended)" \
+        in second.stderr
+    assert "; resumed at step" in second.stdout
+    assert final_checkpoint(run_dir)["step"] == 12
+    assert not (run_dir / "lease.json").exists()  # released at the clean end
+
+
+def test_a_lease_held_on_another_machine_is_honoured_until_it_expires(launch, tmp_path):
+    """A local launcher on another node of a shared file system: its pid means nothing here, its renewals do."""
+    run_dir = tmp_path / "run"
+    holder = dict(backend="local", holder="launcher pid 4321 on node7", key="local:node7:4321", host="node7", pid=4321)
+    write_lease(run_dir, **holder, expires=time.time() + 120)
+    busy = launch(*SMALL, "launcher.dry_run=true", f"hydra.run.dir={run_dir}")
+    assert busy.returncode == 2
+    assert f"hydra.run.dir={run_dir} belongs to launcher pid 4321 on node7 (lease not expired)" in busy.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == [".launcher.lock", "lease.json"]  # nothing else written
+
+    write_lease(run_dir, **holder, expires=time.time() - 1)
+    free = launch(*SMALL, "launcher.dry_run=true", f"hydra.run.dir={run_dir}")
+    assert free.returncode == 0, free.stderr
+    assert "taking over" in free.stderr and "lease expired" in free.stderr
+
+
+def test_a_slurm_lease_that_no_scheduler_here_can_check_is_decided_by_its_expiry(launch, tmp_path):
+    """No scontrol or sacct on this machine (or accounting off, and the job purged): the expiry decides."""
+    run_dir = tmp_path / "run"
+    no_slurm = {"PATH": str(Path(sys.executable).parent) + os.pathsep + "/usr/bin:/bin"}
+    no_slurm["PATH"] = os.pathsep.join(p for p in no_slurm["PATH"].split(os.pathsep) if not Path(p, "scontrol").exists())
+    job = dict(backend="slurm", holder="SLURM job 99999", key="slurm:99999", job_id="99999")
+    write_lease(run_dir, **job, expires=time.time() + 120)
+    busy = launch(*SMALL, "launcher.dry_run=true", f"hydra.run.dir={run_dir}", env=no_slurm)
+    assert busy.returncode == 2
+    assert "belongs to SLURM job 99999 (UNKNOWN, lease not expired)" in busy.stderr
+    write_lease(run_dir, **job, expires=time.time() - 1)
+    free = launch(*SMALL, "launcher.dry_run=true", f"hydra.run.dir={run_dir}", env=no_slurm)
+    assert free.returncode == 0, free.stderr
+    assert "taking over" in free.stderr
+
+
+# --- the run's identity ---------------------------------------------------------------------------------------
+
+EXPERIMENT = """# @package _global_
+defaults:
+  - override /data: synthetic
+  - override /model: mlp
+name: mine
+model:
+  hidden: [HIDDEN]
+data:
+  root: ROOT
+"""
+
+
+def write_experiment(project: Path, hidden: int, root: str) -> None:
+    (project / "conf" / "experiment").mkdir(parents=True, exist_ok=True)
+    text = EXPERIMENT.replace("HIDDEN", str(hidden)).replace("ROOT", root)
+    (project / "conf" / "experiment" / "mine.yaml").write_text(text)
+
+
+def test_an_edited_experiment_file_never_resumes_the_other_runs_checkpoint(tmp_path):
+    from conftest import run_cli
+
+    project = tmp_path / "project"
+    write_experiment(project, hidden=32, root="data/mine")
+    run = ["--config-dir", "conf", "+experiment=mine", *FAST, "trainer.procs_per_node=1", "trainer.log_every=2"]
+    first = run_cli("launcher", *run, "trainer.max_steps=4", cwd=project)
+    assert first.returncode == 0, first.stderr
+    [run_dir] = (project / "runs" / "mine").iterdir()  # named by the command line, which does not change below
+    assert final_checkpoint(run_dir)["step"] == 4
+
+    write_experiment(project, hidden=16, root="data/other")  # the same command, another model and other data
+    edited = run_cli("launcher", *run, "trainer.max_steps=8", cwd=project)
+    assert edited.returncode == 2
+    assert f"hydra.run.dir={run_dir} holds checkpoints of another run" in edited.stderr
+    assert "data.root: " in edited.stderr and "model.hidden: [32] -> [16]" in edited.stderr
+    assert f"hydra.run.dir={run_dir}-2" in edited.stderr  # the fix
+    assert "Traceback" not in edited.stderr + edited.stdout
+    assert final_checkpoint(run_dir)["step"] == 4  # nothing started
+
+    write_experiment(project, hidden=32, root="data/mine")  # set back: the run resumes, longer
+    extended = run_cli("launcher", *run, "trainer.max_steps=8", cwd=project)
+    assert extended.returncode == 0, extended.stderr
+    assert "trainer.max_steps: 4 -> 8" in extended.stdout and "; resumed at step 4" in extended.stdout
+    assert final_checkpoint(run_dir)["step"] == 8
+
+    # Started by hand from a snapshot edited behind the launcher's back: refused by the trainer, before loading.
+    snapshot = run_dir / "config.yaml"
+    snapshot.write_text(snapshot.read_text().replace("- 32", "- 16").replace("max_steps: 8", "max_steps: 10"))
+    by_hand = subprocess.run([sys.executable, "-m", "train", str(snapshot)], cwd=project, capture_output=True, text=True,
+                             timeout=300)
+    assert by_hand.returncode != 0
+    assert "the checkpoint belongs to another run: model.hidden: [32] -> [16]" in by_hand.stderr
+    assert "load_state_dict" not in by_hand.stderr and "size mismatch" not in by_hand.stderr
+
+
+def test_a_changed_weight_decay_is_applied_on_resume_and_named(launch, tmp_path):
+    run_dir = tmp_path / "run"
+    first = launch(*SMALL, "optim.weight_decay=0.0", "trainer.max_steps=10", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr
+    assert {g["weight_decay"] for g in final_checkpoint(run_dir)["optimizer"]["param_groups"]} == {0.0}
+    second = launch(*SMALL, "optim.weight_decay=0.1", "trainer.max_steps=20", f"hydra.run.dir={run_dir}")
+    assert second.returncode == 0, second.stderr
+    assert "optim.weight_decay: 0.0 -> 0.1" in second.stdout and "; resumed at step 10" in second.stdout
+    state = final_checkpoint(run_dir)
+    assert state["step"] == 20
+    assert {g["weight_decay"] for g in state["optimizer"]["param_groups"]} == {0.1}  # trained with it, not 0.0
+    assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"][-1] == 20
+
+
+def test_values_that_would_break_the_batch_script_and_max_restarts_are_refused_under_slurm():
+    from omegaconf import OmegaConf
+
+    from launcher.schema import Config
+    from launcher.slurm import Slurm
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), {
+        "name": "run\n#SBATCH --wrap=rm", "launcher": {"name": "slurm", "max_restarts": 2, "qos": "high prio",
+                                                       "sbatch": {"comment": "a;b", "Bad Key": "x", "gres": "gpu:4"}}}))
+    problems: list[str] = []
+    Slurm().validate(cfg, problems)
+    text = "\n".join(problems)
+    assert "name='run\\n#SBATCH --wrap=rm' goes into the job's batch script" in text
+    assert "launcher.qos='high prio' goes into" in text and "launcher.sbatch.comment='a;b' goes into" in text
+    assert "launcher.sbatch.gres=" not in text.replace("e.g. launcher.sbatch.gres=gpu:4", "")  # a fine value
+    assert "['Bad Key'] that are not sbatch options" in text
+    assert "launcher.max_restarts=2 restarts the workers of a local launch" in text
