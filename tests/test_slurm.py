@@ -17,7 +17,7 @@ import torch
 from conftest import FAST, final_checkpoint, logged_steps, read_metrics
 from conftest import wait_for as _wait_for
 from launcher.jobs import job_state
-from launcher.slurm import clear_unfinished_result, export_env_from_slurm, slurm_folder
+from launcher.slurm import clear_unfinished_result, export_env_from_slurm, recorded_jobs, slurm_folder
 
 DEFAULT_CONF = "/tmp/slurm-test-cluster/etc/slurm.conf"
 
@@ -85,9 +85,19 @@ def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(clu
 LONG_JOB = [*JOB, "trainer.epochs=20", "model.hidden=[512,512]", "trainer.log_every=10"]
 
 
-def test_the_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_weights(cluster, launch, tmp_path):
+@pytest.fixture
+def no_accounting(tmp_path) -> dict:
+    """An environment whose `sacct` answers nothing, as on a cluster without accounting: the controller must answer."""
+    shim = tmp_path / "no-accounting"
+    shim.mkdir()
+    (shim / "sacct").write_text("#!/bin/sh\nexit 0\n")
+    (shim / "sacct").chmod(0o755)
+    return {"PATH": f"{shim}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_the_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_weights(cluster, launch, tmp_path, no_accounting):
     reference = tmp_path / "reference"
-    blocking = launch(*LONG_JOB, "launcher.wait=true", f"hydra.run.dir={reference}", timeout=300)
+    blocking = launch(*LONG_JOB, "launcher.wait=true", f"hydra.run.dir={reference}", timeout=300, env=no_accounting)
     assert blocking.returncode == 0 and "ended: COMPLETED" in blocking.stdout  # launcher.wait blocks to the end
 
     run_dir = tmp_path / "preempted"
@@ -96,8 +106,21 @@ def test_the_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_weigh
     wait_for(lambda: any(step >= 20 for step in logged_steps(run_dir)), 180, "training")
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # what SLURM sends before a time limit
     wait_for(lambda: "Restarts=1" in _show(job_id), timeout=120, what="the job to requeue itself")
+    # The same command while the job waits in the queue after its requeue (status.json says "stopped"): refused.
+    requeued = launch(*LONG_JOB, f"hydra.run.dir={run_dir}", env=no_accounting)
+    assert requeued.returncode == 2 and f"belongs to SLURM job {job_id} (PENDING)" in requeued.stderr
     start_requeued_now(job_id)
+    wait_for(lambda: state(job_id) == "RUNNING", timeout=120, what="the second attempt to start")
+    second_attempt = launch(*LONG_JOB, f"hydra.run.dir={run_dir}", env=no_accounting)
+    assert second_attempt.returncode == 2 and f"belongs to SLURM job {job_id} (RUNNING)" in second_attempt.stderr
+    status = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(run_dir)], capture_output=True,
+                            text=True, env={**os.environ, **no_accounting})
+    assert f"held by SLURM job {job_id} (RUNNING)" in status.stdout and f"{job_id} RUNNING" in " ".join(status.stdout.split())
     wait_for(lambda: state(job_id) == "COMPLETED", timeout=240, what="the requeued job to complete")
+    assert recorded_jobs(run_dir) == [job_id]  # the refused launches submitted nothing
+    assert not (run_dir / "lease.json").exists()  # released at the job's clean end
+    after = launch(*LONG_JOB, "trainer.epochs=21", "launcher.dry_run=true", f"hydra.run.dir={run_dir}", env=no_accounting)
+    assert after.returncode == 0 and "start     resume from the newest loadable checkpoint" in after.stdout
 
     err = (slurm_folder(run_dir) / f"{job_id}_0_log.err").read_text()
     assert "SIGUSR2: saving a checkpoint at the next step boundary" in err and "requeued job" in err

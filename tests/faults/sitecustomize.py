@@ -42,7 +42,8 @@ if os.environ.get("FAULT") in ("slow_io", "stuck_io", "trace_io") \
     @contextlib.contextmanager
     def slow_io(self, what):
         if not stuck:  # every opened stream is printed (the tests read who reads, writes and hashes what)
-            print(f"[io rank {os.environ.get('RANK')}] {what}", file=sys.stderr, flush=True)
+            # One write() per line: the ranks share stderr, and a line cut by another rank's would not parse.
+            os.write(2, f"[io rank {os.environ.get('RANK')}] {what}\n".encode())
         with watch_io(self, what) as progress:
             last = [0]
 
