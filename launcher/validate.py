@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 import torch
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
@@ -169,6 +170,10 @@ def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
     if t.pipeline_schedule == "1f1b" and t.microbatches < world:
         problems.append(f"trainer.pipeline_schedule=1f1b needs at least as many microbatches as stages ({world}): set "
                         f"trainer.microbatches={world} or more, or trainer.pipeline_schedule=gpipe.")
+    if targets_ok and cfg.task and hasattr(get_class(str(cfg.task["_target_"])), "call"):
+        problems.append(f"trainer.strategy=pipeline passes tensors from stage to stage, but task._target_="
+                        f"{cfg.task['_target_']} calls the model its own way (a model that computes its own loss): use "
+                        f"trainer.strategy=ddp or fsdp with it.")
     if world >= 2 and targets_ok:
         model = _model_on_meta(cfg)
         stages = pipeline_stages(model)

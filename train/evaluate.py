@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from train.parallel import Strategy
+from train.step import model_call
 
 
 @torch.no_grad()
@@ -34,7 +35,7 @@ def evaluate(
     for batch, counted in batches:
         inputs, targets = task.split(batch)
         with autocast():
-            output = strategy.eval_forward(inputs)
+            output = strategy.eval_forward(inputs, call=model_call(task))
         if output is not None and counted:
             for name, value in task.sums(output, targets).items():
                 totals[name] = totals.get(name, 0) + value.detach().double()

@@ -23,6 +23,11 @@ GRAD_COMPRESSIONS = ("none", *COMPRESSED_DTYPES)
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
 
 
+def call_model(model: nn.Module, inputs):
+    """How the built-in tasks run a model: one positional input (a task may define its own `call`)."""
+    return model(inputs)
+
+
 class Strategy:
     name = ""
     lockstep_eval = False  # evaluation forwards hold collectives: every rank must run as many as the others
@@ -44,9 +49,9 @@ class Strategy:
         """The parameters this rank's optimizer updates."""
         return self.model.parameters()
 
-    def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler) -> torch.Tensor:
-        """One micro-step: `loss(model(inputs), targets)` (the task's), backward. Gradients are synchronised only
-        when `sync` (the last micro-step of an optimizer step). Returns this rank's loss / trainer.accumulate,
+    def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler, call=call_model) -> torch.Tensor:
+        """One micro-step: `loss(call(model, inputs), targets)` (the task's), backward. Gradients are synchronised
+        only when `sync` (the last micro-step of an optimizer step). Returns this rank's loss / trainer.accumulate,
         detached (zero on ranks that compute no loss)."""
         raise NotImplementedError
 
@@ -54,9 +59,9 @@ class Strategy:
         nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     @torch.no_grad()
-    def eval_forward(self, inputs):
+    def eval_forward(self, inputs, call=call_model):
         """The model's output for an evaluation batch; None on ranks that do not produce it."""
-        return self.model(inputs)
+        return call(self.model, inputs)
 
     def sync_buffers(self) -> None:
         """Give every replica rank 0's buffers (BatchNorm running statistics drift apart between replicas)."""
@@ -112,10 +117,10 @@ class DDPStrategy(Strategy):
         super().__init__(model, cfg, env, device)
         self.module = wrap_ddp(model, cfg, device)
 
-    def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler) -> torch.Tensor:
+    def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler, call=call_model) -> torch.Tensor:
         with contextlib.nullcontext() if sync else no_sync(self.module):
             with autocast():
-                value = loss(self.module(inputs), targets) / self.cfg.accumulate
+                value = loss(call(self.module, inputs), targets) / self.cfg.accumulate
             scaler.scale(value).backward()
         return value.detach().float()
 

@@ -24,7 +24,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from train.config import TrainerConfig
 from train.dist import DistEnv
 from train.models import pipeline_stages
-from train.parallel import Strategy, clip_global_norm
+from train.parallel import Strategy, call_model, clip_global_norm
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations that travel between stages in eval
@@ -54,7 +54,8 @@ class PipelineStrategy(Strategy):
     def _loss(self, output, targets) -> torch.Tensor:
         return self.loss(output, targets) / (self.cfg.microbatches * self.cfg.accumulate)
 
-    def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler) -> torch.Tensor:
+    def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler, call=call_model) -> torch.Tensor:
+        # `call` is the built-in one (validated before start): the stages pass tensors from one to the next.
         self.loss = loss
         losses: list[torch.Tensor] = []
         with autocast():
@@ -68,7 +69,7 @@ class PipelineStrategy(Strategy):
         clip_global_norm([p.grad for p in self.model.parameters() if p.grad is not None], max_norm, self.device)
 
     @torch.no_grad()
-    def eval_forward(self, inputs):
+    def eval_forward(self, inputs, call=call_model):
         x = inputs if self.first else self._receive()
         y = self.model(x)
         if self.last:

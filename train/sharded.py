@@ -35,7 +35,7 @@ from train.build import compile_blocks
 from train.config import TrainerConfig
 from train.dist import DistEnv
 from train.models import blocks
-from train.parallel import Strategy, clip_global_norm
+from train.parallel import Strategy, call_model, clip_global_norm
 
 def replica_groups(cfg: TrainerConfig, env: DistEnv) -> int:
     """How many copies of the sharded model there are (HSDP): trainer.fsdp_replicate, or with 0 one per node, so that
@@ -99,10 +99,10 @@ class FSDPStrategy(Strategy):
     def parameter_device(self) -> torch.device:
         return parameter_device(self.cfg, self.device)
 
-    def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler) -> torch.Tensor:
+    def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler, call=call_model) -> torch.Tensor:
         self.model.set_requires_gradient_sync(sync)  # FSDP's no_sync: accumulate unsharded, reduce-scatter last
         with autocast():
-            value = loss(self.model(inputs), targets) / self.cfg.accumulate
+            value = loss(call(self.model, inputs), targets) / self.cfg.accumulate
         value.backward()  # fp16 (a grad scaler) is refused for fsdp before start
         return value.detach().float()
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from train.config import TrainerConfig
-from train.parallel import Strategy
+from train.parallel import Strategy, call_model
 from train.throughput import token_figures
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -171,6 +171,11 @@ def spread(name: str, per_rank: torch.Tensor) -> dict[str, float]:
     }
 
 
+def model_call(task):
+    """How `task` runs the model on a batch's inputs: its own `call(model, inputs)`, or model(inputs)."""
+    return getattr(task, "call", call_model)
+
+
 def train_step(
     strategy: Strategy,
     task,
@@ -190,7 +195,7 @@ def train_step(
         # Gradients are synchronised on the last micro-step only; the others just accumulate locally.
         last = micro == cfg.accumulate - 1
         meter.loss_sum += strategy.forward_backward(
-            inputs, targets, loss=task.loss, sync=last, autocast=autocast, scaler=scaler
+            inputs, targets, loss=task.loss, sync=last, autocast=autocast, scaler=scaler, call=model_call(task)
         )
     if cfg.grad_clip > 0:
         scaler.unscale_(optimizer)

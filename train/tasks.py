@@ -137,3 +137,61 @@ class LanguageModeling(Task):
     def metrics(self, totals):
         loss = totals["loss"] / max(totals["tokens"], 1)
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+
+
+class ModelLoss(Task):
+    """The model computes its own loss (nanoGPT's `forward(idx, targets) -> (logits, loss)`, a Hugging Face model's
+    `model(**batch).loss`): the model is called with the batch itself, as keyword arguments when it is a dict
+    (`model(**batch)`) and as positional arguments when it is a tuple or list (`model(*batch)`); the loss is the
+    output's `loss` (attribute or key), or the scalar tensor in a tuple output.
+
+    Evaluation weights each batch's loss by what it averages over: the target tokens that count when the batch has
+    `labels_key` (positions equal to `ignore_index` do not; `shift_labels`: the model predicts labels[:, 1:], as
+    Hugging Face causal LMs do), else the batch's samples. `perplexity: true` also reports exp(loss)."""
+
+    def __init__(self, labels_key: str = "labels", ignore_index: int = -100, shift_labels: bool = True,
+                 perplexity: bool = False):
+        super().__init__()
+        self.labels_key, self.ignore_index, self.shift_labels = labels_key, ignore_index, shift_labels
+        self.perplexity = perplexity
+
+    def split(self, batch) -> tuple:
+        return batch, batch  # all of it goes to the model; the batch also says how many targets count
+
+    def call(self, model, batch):
+        if isinstance(batch, Mapping):
+            return model(**batch)
+        if isinstance(batch, Sequence) and not isinstance(batch, str):
+            return model(*batch)
+        return model(batch)
+
+    def loss(self, output, batch) -> torch.Tensor:
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if loss is None and isinstance(output, Sequence):
+            loss = next((o for o in output if isinstance(o, torch.Tensor) and o.dim() == 0), None)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError(
+                f"task=model_loss takes the loss from the model's output, but {type(output).__name__} has no scalar "
+                f"`loss` (attribute or key) and is not a tuple holding one: return it from forward (given the targets "
+                f"in the batch, e.g. labels=...), or use a task that computes it (task=classification, ...).")
+        return loss.float()
+
+    def _weight(self, batch) -> torch.Tensor:
+        labels = batch.get(self.labels_key) if isinstance(batch, Mapping) else None
+        if isinstance(labels, torch.Tensor):
+            counted = labels[..., 1:] if self.shift_labels else labels
+            return (counted != self.ignore_index).sum()
+        first = next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0] if isinstance(batch, Sequence) else batch
+        return torch.tensor(len(first), device=first.device)
+
+    def sums(self, output, batch):
+        weight = self._weight(batch)
+        return {"loss": self.loss(output, batch) * weight, "weight": weight.to(torch.float64)}
+
+    def tokens(self, batch) -> int:
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch[0] if isinstance(batch, Sequence) else batch
+        return ids.numel() if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else 0
+
+    def metrics(self, totals):
+        loss = totals["loss"] / max(totals["weight"], 1)
+        return {"loss": loss, **({"perplexity": math.exp(min(loss, 700.0))} if self.perplexity else {})}

@@ -1,0 +1,83 @@
+"""Research code as its authors wrote it, trained with nothing but YAML: nanoGPT's model.py (kept verbatim in
+tests/foreign/nanogpt with its license), whose forward computes its own loss (task=model_loss)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from conftest import FAST, REPO, final_checkpoint, read_metrics, run_cli
+from train.prepare_text import prepare, stdlib_sources
+
+NANOGPT = REPO / "tests" / "foreign" / "nanogpt"
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tokens")
+    prepare(stdlib_sources(300_000), directory)
+    return directory
+
+
+def nanogpt_run(corpus, run_dir, *overrides: str):
+    """Launched from nanoGPT's own directory (its model.py is imported from there), config beside it."""
+    base = ["--config-dir", "conf", "+experiment=nanogpt", *FAST, f"data.root={corpus}", "data.batch_size=16",
+            "trainer.eval_every=0", "trainer.log_every=4", "trainer.max_steps=12", "trainer.procs_per_node=2"]
+    return run_cli("launcher", *base, *overrides, f"hydra.run.dir={run_dir}", cwd=NANOGPT)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(corpus, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("nanogpt") / "ddp"
+    proc = nanogpt_run(corpus, run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def nanogpt_module():
+    spec = importlib.util.spec_from_file_location("nanogpt_model", NANOGPT / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_nanogpt_is_kept_verbatim_with_its_license():
+    assert "MIT License" in (NANOGPT / "LICENSE").read_text() and "Andrej Karpathy" in (NANOGPT / "LICENSE").read_text()
+    assert "return logits, loss" in (NANOGPT / "model.py").read_text()  # its own forward, not adapted
+
+
+def test_nanogpt_under_ddp_matches_one_process_and_fsdp_matches_ddp(corpus, ddp_run, tmp_path):
+    runs = {"one": ["trainer.procs_per_node=1", "data.batch_size=32"], "fsdp": ["trainer.strategy=fsdp"]}
+    for name, overrides in runs.items():
+        proc = nanogpt_run(corpus, tmp_path / name, *overrides)
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+    one, fsdp = (final_checkpoint(tmp_path / n)["model"] for n in runs)
+    ddp = final_checkpoint(ddp_run)["model"]
+    assert "transformer.h.1.attn.c_attn.weight" in ddp  # nanoGPT's own keys: no wrapper's prefix
+    for name, expected in one.items():
+        torch.testing.assert_close(ddp[name], expected, **TOLERANCE, msg=f"ddp 2 x 16: {name} differs from 1 x 32")
+        torch.testing.assert_close(fsdp[name], ddp[name], **TOLERANCE, msg=f"fsdp: {name} differs from ddp")
+
+
+def test_nanogpt_resumes_bitwise_and_its_export_loads_into_its_own_class(corpus, ddp_run, tmp_path):
+    run_dir = tmp_path / "split"
+    first = nanogpt_run(corpus, run_dir, "trainer.max_steps=6")
+    resumed = nanogpt_run(corpus, run_dir)
+    assert first.returncode == resumed.returncode == 0 and "resumed at step 6" in resumed.stdout
+    a, b = final_checkpoint(ddp_run)["model"], final_checkpoint(run_dir)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a), "resume is not bitwise"
+    evaluation = [r for r in read_metrics(run_dir) if r["kind"] == "eval"][-1]
+    assert evaluation["perplexity"] == pytest.approx(torch.tensor(evaluation["loss"]).exp().item(), rel=1e-6)
+
+    out = tmp_path / "nanogpt.pt"
+    export = run_cli("launcher.export", str(run_dir), "--out", str(out), cwd=NANOGPT)
+    assert export.returncode == 0, export.stderr
+    nanogpt = nanogpt_module()
+    model = nanogpt.GPT(nanogpt.GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=32, bias=True))
+    model.load_state_dict(torch.load(out, weights_only=True))  # strict, unchanged
+    assert torch.equal(model.transformer.h[0].mlp.c_fc.weight, b["transformer.h.0.mlp.c_fc.weight"])
+    assert os.path.getsize(out) > 0
