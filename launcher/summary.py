@@ -32,6 +32,8 @@ def describe_target(node: dict) -> str:
 
 def describe_schedule(node: dict) -> str:
     if node.get("_target_") == "train.optim.WarmupSchedule":
+        if node.get("warmup_steps"):
+            return f"{node.get('name', 'cosine')} after {node['warmup_steps']} warmup step(s)"
         return f"{node.get('name', 'cosine')} after {node.get('warmup_epochs', 0):g} warmup epoch(s)"
     return describe_target(node)
 

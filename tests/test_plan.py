@@ -3,6 +3,8 @@ epochs, so changing the world size does not change the schedule over the data.""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -88,3 +90,32 @@ def test_no_weight_decay_on_biases_and_norms_when_asked():
     assert (decayed["weight_decay"], exempt["weight_decay"]) == (0.1, 0.0) and decayed["lr"] == exempt["lr"] == 0.5
     assert [p.dim() for p in decayed["params"]] == [2, 2] and [p.dim() for p in exempt["params"]] == [1, 1, 1, 1]
     assert isinstance(optimizer, torch.optim.SGD) and decayed["momentum"] == 0.9  # the target's own arguments
+
+
+def test_a_short_run_inside_an_epoch_long_warmup_is_warned_and_warmup_steps_is_honoured(launch, tmp_path):
+    """The default warmup of one epoch (64 steps here) and a 10-step run: all warmup, and said so; in steps, the
+    warmup is what it says whatever the epoch's length."""
+    from conftest import FAST, read_metrics
+
+    run = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=1", "trainer.log_every=2",
+           "trainer.max_steps=10"]
+    inherited = launch(*run, f"hydra.run.dir={tmp_path / 'inherited'}")
+    assert inherited.returncode == 0, inherited.stderr
+    assert "warning: the run stops at step 10, inside the lr warmup of 64 steps" in inherited.stdout
+    in_steps = launch(*run, "optim.schedule.warmup_epochs=0", "optim.schedule.warmup_steps=4",
+                      "optim.schedule.decay_steps=10", f"hydra.run.dir={tmp_path / 'in_steps'}")
+    assert in_steps.returncode == 0, in_steps.stderr
+    assert "inside the lr warmup" not in in_steps.stdout and "its lr decay spans" not in in_steps.stdout
+    lr = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "in_steps") if r["kind"] == "train"}
+    assert lr[2] == pytest.approx(0.1 * 3 / 4)  # (step + 1) / warmup_steps of the peak 0.1, the lr for the 3rd step
+    assert lr[4] == pytest.approx(0.1)  # the peak, after 4 steps
+    assert lr[6] == pytest.approx(0.1 * (0.5 * (1 + math.cos(math.pi * 2 / 6))))  # cosine over the 6 steps after
+    assert lr[10] == pytest.approx(0.0, abs=1e-12)  # the decay ends with the run
+
+
+def test_warmup_in_epochs_and_in_steps_at_once_is_refused():
+    cfg = config()
+    cfg.optim.schedule.update(warmup_epochs=1.0, warmup_steps=100)
+    with pytest.raises(ValueError, match="give the warmup in one of them"):
+        build_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), cfg.optim.schedule,
+                        make_plan(cfg, world_size=1, train_size=1000))

@@ -89,15 +89,19 @@ class WarmupSchedule:
     """
 
     def __init__(self, name: str = "cosine", warmup_epochs: float = 0.0, min_lr_ratio: float = 0.0,
-                 milestones: list[float] = (30.0, 60.0, 90.0), gamma: float = 0.1, *, steps_per_epoch: int,
-                 total_steps: int):
+                 milestones: list[float] = (30.0, 60.0, 90.0), gamma: float = 0.1, warmup_steps: int = 0,
+                 decay_steps: int = 0, *, steps_per_epoch: int, total_steps: int):
         if name not in SCHEDULES:
             raise ValueError(f"optim.schedule.name={name!r} is not a schedule: pick one of {', '.join(SCHEDULES)}.")
-        if warmup_epochs < 0:
-            raise ValueError(f"optim.schedule.warmup_epochs={warmup_epochs} must be at least 0.")
+        if warmup_epochs < 0 or warmup_steps < 0 or decay_steps < 0:
+            raise ValueError(f"optim.schedule: warmup_epochs={warmup_epochs}, warmup_steps={warmup_steps} and "
+                             f"decay_steps={decay_steps} must be at least 0.")
+        if warmup_epochs and warmup_steps:
+            raise ValueError(f"optim.schedule.warmup_epochs={warmup_epochs} and warmup_steps={warmup_steps}: give the "
+                             f"warmup in one of them (set the other to 0).")
         self.name = name
-        self.warmup = round(warmup_epochs * steps_per_epoch)
-        self.total = total_steps
+        self.warmup = warmup_steps or round(warmup_epochs * steps_per_epoch)
+        self.total = decay_steps or total_steps  # where the cosine ends: the run's epochs, or decay_steps
         self.min_ratio = min_lr_ratio
         self.milestones = [round(m * steps_per_epoch) for m in milestones]
         self.gamma = gamma
