@@ -155,10 +155,12 @@ def download(cfg: DataConfig) -> None:
     """Fetch a missing file-backed data set with torchvision, into the layout `check_available` looks for."""
     try:
         from torchvision import datasets as tv
-    except ImportError as error:
+    except Exception as error:  # absent, or built for another torch (CUDA wheels fail to register their ops on a CPU torch)
         raise DatasetMissing(
-            f"data.download=true needs torchvision, which is not importable ({error}). "
-            f"Install it with pip install -e '.[vision]', or fetch the files by hand: {SOURCES[cfg.name]}."
+            f"data.download=true needs torchvision, which is not importable ({type(error).__name__}: {error}). "
+            f"Install the build made for this torch ({torch.__version__}): pip install -e '.[vision]' with a CUDA torch "
+            f"from PyPI; with a CPU-only torch, pip install torchvision==0.28.0 --index-url "
+            f"https://download.pytorch.org/whl/cpu. Or fetch the files by hand: {SOURCES[cfg.name]}."
         ) from error
     cls = {"mnist": tv.MNIST, "fashion_mnist": tv.FashionMNIST, "cifar10": tv.CIFAR10}[cfg.name]
     for train in (True, False):
