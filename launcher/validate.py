@@ -16,6 +16,7 @@ from omegaconf.errors import ConfigKeyError
 
 from launcher.backend import BACKENDS, get_backend
 from launcher.local import world_size
+from launcher.one_batch import check_one_batch
 from launcher.schema import Config
 from train.checkpoint import checkpoint_dir, committed, refuse_fresh_start_over
 from train.config import CHECKPOINT_FORMATS, CONFIG_FILE, checkpoint_format
@@ -234,5 +235,7 @@ def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> Non
     check_targets(cfg, problems)
     _check_strategy(cfg, problems, targets_ok=len(problems) == before)
     _check_files(cfg, run_dir, problems)
+    if not problems:  # the parts are sound one by one: do they fit together?
+        check_one_batch(cfg, problems)
     if problems:
         raise ConfigError(problems)

@@ -81,3 +81,55 @@ def test_nanogpt_resumes_bitwise_and_its_export_loads_into_its_own_class(corpus,
     model.load_state_dict(torch.load(out, weights_only=True))  # strict, unchanged
     assert torch.equal(model.transformer.h[0].mlp.c_fc.weight, b["transformer.h.0.mlp.c_fc.weight"])
     assert os.path.getsize(out) > 0
+
+
+# pytorch/examples' mnist/main.py `Net`, as its authors wrote it (its file imports torchvision at the top, so the
+# class is copied here rather than imported): a fixed 9216-wide layer, for 28x28 inputs only.
+MNIST_NET = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super(Net, self).__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = self.conv1(x)
+        x = F.relu(x)
+        x = self.conv2(x)
+        x = F.relu(x)
+        x = F.max_pool2d(x, 2)
+        x = self.dropout1(x)
+        x = torch.flatten(x, 1)
+        x = self.fc1(x)
+        x = F.relu(x)
+        x = self.dropout2(x)
+        x = self.fc2(x)
+        output = F.log_softmax(x, dim=1)
+        return output
+'''
+
+
+def test_a_model_that_does_not_fit_the_data_is_refused_before_start_naming_the_shape_keys(tmp_path):
+    project = tmp_path / "project"
+    (project / "conf" / "experiment").mkdir(parents=True)
+    (project / "net.py").write_text(MNIST_NET)
+    (project / "conf" / "experiment" / "mnist_net.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: null\nname: mnist_net\nmodel:\n  _target_: net.Net\n")
+    run = ["--config-dir", "conf", "+experiment=mnist_net", *FAST, "trainer.max_steps=2"]
+    refused = run_cli("launcher", *run, f"hydra.run.dir={tmp_path / 'at16'}", cwd=project)  # the digits at 16x16
+    assert refused.returncode == 2
+    assert "model._target_=net.Net does not fit the data: on a batch of (float32[64, 1, 16, 16], int64[64])" in refused.stderr
+    assert "data.image_size=16" in refused.stderr and "[64, 2304] X [9216, 128]" in refused.stderr
+    assert "plan:" not in refused.stdout and "Traceback" not in refused.stderr  # no worker started
+    fitted = run_cli("launcher", *run, "data.image_size=28", f"hydra.run.dir={tmp_path / 'at28'}", cwd=project)
+    assert fitted.returncode == 0, fitted.stderr  # the fix the message points at
+    assert final_checkpoint(tmp_path / "at28")["step"] == 2
