@@ -12,13 +12,17 @@ model is built on the `meta` device under a dispatch mode that watches the opera
 
 `materialise` then replays one tensor at a time on the CPU (the generator set back to each recorded state), keeps
 this rank's part (DTensor placements: any mesh, HSDP's included) and drops the rest: a rank's peak is its shards plus
-the largest single tensor. What cannot be replayed this way (a tensor computed from or filled from another, written
+the largest single tensor. Tied parameters (an output layer sharing the embedding's matrix) stay tied. What cannot
+be replayed this way (a tensor computed from or filled from another, written
 through a view, a private generator) is reported by `Unsupported`, and the caller falls back to the full build.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
+import sys
 
 import torch
 from torch import nn
@@ -47,12 +51,32 @@ def _name(func) -> str:
     return func.overloadpacket.__name__
 
 
+SHADOW_NUMEL = 1 << 20  # small tensors computed at construction (a rotary table) are also computed on the CPU
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.recipes: dict[int, list] = {}  # storage -> [creation, then (func, args, kwargs, rng_state | None)]
         self.problems: dict[int, str] = {}
-        self.keep: list[torch.Tensor] = []  # every tensor seen stays alive: no storage address is reused
+        self.keep: list[torch.Tensor] = []  # every tensor seen stays alive: no storage address (or id) is reused
+        # id(meta tensor) -> its value on the CPU, for small tensors made without randomness from constants: what a
+        # buffer computed at construction holds (HF's rotary inv_freq), and what an in-place copy_ reads
+        self.shadows: dict[int, torch.Tensor] = {}
+
+    def _shadowed(self, value):
+        """`value` with its meta tensors replaced by their CPU shadows; None if one has none."""
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            return self.shadows.get(id(value))
+        if isinstance(value, (list, tuple)):
+            items = [self._shadowed(v) for v in value]
+            return None if any(i is None for i, v in zip(items, value) if v is not None) else type(value)(items)
+        return value
+
+    def _shadow(self, out: torch.Tensor, value) -> None:
+        if isinstance(value, torch.Tensor) and value.numel() <= SHADOW_NUMEL:
+            self.shadows[id(out)] = value
+            self.keep.append(out)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -63,28 +87,46 @@ class _Recorder(TorchDispatchMode):
             # A new tensor (torch.empty, zeros, randn, torch.tensor(...)): run it on the CPU as well, so that a
             # random one moves the generator on as a full build would; replayed later from the same state.
             state = torch.get_rng_state()
-            func(*args, **{**kwargs, "device": torch.device("cpu")})
+            value = func(*args, **{**kwargs, "device": torch.device("cpu")})
+            if name not in CONTENT_FREE and name not in RANDOM and not name.startswith("rand"):
+                self._shadow(out, value)
+            del value
             _release_freed_memory()
             self.recipes[_key(out)] = [(func, args, kwargs, state, name in CONTENT_FREE)]
             self.keep.append(out)
         elif name.endswith("_") and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             self._record(func, name, args, kwargs)
+        elif isinstance(out, torch.Tensor) and out.is_meta and name not in RANDOM:
+            # A computation on tensors that all have CPU shadows: its result has one too.
+            shadow_args, shadow_kwargs = self._shadowed(list(args)), self._shadowed(list(kwargs.values()))
+            if shadow_args is not None and shadow_kwargs is not None:
+                self._shadow(out, func(*shadow_args, **dict(zip(kwargs, shadow_kwargs))))
         return out
 
     def _record(self, func, name, args, kwargs) -> None:
         target, key = args[0], _key(args[0])
+        rest = self._shadowed(list(args[1:]))  # what it reads, as CPU constants (None: a tensor without a shadow)
+        if id(target) in self.shadows:  # keep the shadow current
+            if rest is not None and name not in RANDOM:
+                func(self.shadows[id(target)], *rest, **kwargs)
+            else:
+                del self.shadows[id(target)]
         if key not in self.recipes:
             return  # a temporary of some computation, not a tensor that was created new
         if target._base is not None or target.storage_offset() != 0:
             self.problems[key] = f"{name} writes through a view"
-        elif any(isinstance(a, torch.Tensor) and a.is_meta for a in args[1:]) or kwargs.get("generator") is not None:
+        elif rest is None or kwargs.get("generator") is not None:
             self.problems[key] = f"{name} reads another tensor or a private generator"
         state = None
         if name in RANDOM:
             state = torch.get_rng_state()
             func(torch.empty(target.shape, dtype=target.dtype), *args[1:], **kwargs)  # moves the generator on
             _release_freed_memory()
-        self.recipes[key].append((func, args[1:], kwargs, state))
+        self.recipes[key].append((func, tuple(rest) if rest is not None else args[1:], kwargs, state))
+
+
+def _constant(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return value.clone().to(device)
 
 
 def _key(tensor: torch.Tensor) -> int:
@@ -96,19 +138,16 @@ def build_on_meta(build) -> tuple[nn.Module, dict]:
     Raises Unsupported (the generator is then left where a full build leaves it only if nothing was skipped: the
     caller reseeds and builds again)."""
     recorder = _Recorder()
-    with torch.device("meta"), recorder:
+    with torch.device("meta"), _hugging_face_initialises(), recorder:
         model = build()
-    shared: dict[int, str] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        if id(parameter) in shared:  # to_empty would give each name its own tensor: the tie would be lost
-            raise Unsupported(f"{name} is tied to {shared[id(parameter)]} (shared weights)")
-        shared[id(parameter)] = name
     recipes = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         key = _key(tensor)
         if key in recorder.problems:
             raise Unsupported(f"{name}: {recorder.problems[key]}")
         steps = recorder.recipes.get(key)
+        if not steps and id(tensor) in recorder.shadows:  # computed from constants: its value is known
+            steps = [(functools.partial(_constant, recorder.shadows[id(tensor)]), (), {}, torch.get_rng_state(), False)]
         if not steps:
             raise Unsupported(f"{name} is computed from other tensors (not created new and filled in place)")
         content_free = steps[0][4]
@@ -116,6 +155,23 @@ def build_on_meta(build) -> tuple[nn.Module, dict]:
             raise Unsupported(f"{name} is created empty and never filled in place")
         recipes[name] = steps
     return model, recipes
+
+
+@contextlib.contextmanager
+def _hugging_face_initialises():
+    """Hugging Face models skip their weight initialisation when the default device is meta (they expect weights
+    from a checkpoint next). Here the initialisation must run, where a full build runs it (before the weights are
+    tied), to be recorded: transformers is told the default device is the CPU while the model is built."""
+    utils = sys.modules.get("transformers.modeling_utils")
+    if utils is None or not hasattr(utils, "get_torch_context_manager_or_global_device"):
+        yield
+        return
+    original = utils.get_torch_context_manager_or_global_device
+    utils.get_torch_context_manager_or_global_device = lambda: torch.device("cpu")
+    try:
+        yield
+    finally:
+        utils.get_torch_context_manager_or_global_device = original
 
 
 def replay(steps: list) -> torch.Tensor:
@@ -132,10 +188,26 @@ def replay(steps: list) -> torch.Tensor:
     return value
 
 
+def tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, attribute) that hold one shared parameter (an output layer tied to the embedding), the
+    first owner first, in the order the model (and FSDP) meets them."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, parameter in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(parameter), []).append((module, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
 @torch.no_grad()
 def materialise(model: nn.Module, recipes: dict, device: torch.device) -> None:
-    """Allocate this rank's part of every parameter and buffer on `device` and fill it, one tensor at a time."""
+    """Allocate this rank's part of every parameter and buffer on `device` and fill it, one tensor at a time.
+    Tied parameters stay tied: to_empty gives each owner a tensor of its own, so the later owners are pointed back
+    at the first one's (the one FSDP manages and named_parameters yields)."""
+    ties = tied_parameters(model)
     model.to_empty(device=device)
+    for (first, first_name), *others in ties:
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         full = replay(recipes[name])
         if isinstance(tensor, DTensor):

@@ -179,6 +179,9 @@ def build_initial_model(cfg: TrainConfig):
     the meta device, with the recipes that give each rank its shards once sharded (train/meta_init.py)."""
     torch.manual_seed(cfg.trainer.seed)
     if cfg.trainer.strategy == "fsdp" and cfg.trainer.meta_init:
+        from hydra.utils import get_object
+
+        get_object(cfg.model["_target_"])  # its module imported first: build_on_meta adapts to a Hugging Face model's
         try:
             model, recipes = build_on_meta(lambda: build_model(cfg))
             log.info("trainer.meta_init: the model was built on the meta device; each rank fills in its shards only")

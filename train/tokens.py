@@ -27,7 +27,17 @@ def read_meta(directory: Path) -> dict:
 
 
 class TokenWindows(Dataset):
-    def __init__(self, path: str, block_size: int, dtype: str = "", vocab_size: int = 0):
+    """Consecutive windows of a token file. `format`: "pairs" gives (inputs, targets), block_size tokens each, the
+    targets shifted by one (task=language_modeling, nanoGPT's forward(idx, targets)); "causal_lm" gives Hugging
+    Face's convention, {"input_ids", "labels"} with labels equal to input_ids (block_size tokens: the model shifts
+    them, so each window's first token is no target; task=model_loss)."""
+
+    FORMATS = ("pairs", "causal_lm")
+
+    def __init__(self, path: str, block_size: int, dtype: str = "", vocab_size: int = 0, format: str = "pairs"):
+        if format not in self.FORMATS:
+            raise ValueError(f"TokenWindows format={format!r}: pick one of {', '.join(self.FORMATS)}.")
+        self.format = format
         file = Path(path)
         if not file.is_file():
             raise FileNotFoundError(f"no token file {file}: write one with `python -m train.prepare_text TEXT_FILES "
@@ -50,11 +60,13 @@ class TokenWindows(Dataset):
     def __len__(self) -> int:
         return self.windows
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int):
         if self._tokens is None:
             self._tokens = np.memmap(self.path, dtype=DTYPES[self.dtype], mode="r")
         start = index * self.block_size
         window = torch.from_numpy(self._tokens[start : start + self.block_size + 1].astype(np.int64))
+        if self.format == "causal_lm":
+            return {"input_ids": window[:-1], "labels": window[:-1]}
         return window[:-1], window[1:]
 
     def __getstate__(self) -> dict:  # a memmap is not sent to workers: each opens its own
