@@ -17,6 +17,7 @@ import torch
 from train.build import add_import_path, build_model
 from train.checkpoint import BEST, BEST_DIR, CheckpointDamaged, checkpoint_dir, committed, dcp, dcp_index, load
 from train.config import CONFIG_FILE, load_config
+from train.weights import misfit
 
 
 class ExportError(ValueError):
@@ -67,7 +68,9 @@ def export(run_dir: Path, out: Path, step: int | None = None, best: bool = False
     add_import_path(cfg)
     with torch.device("meta"):
         model = build_model(cfg)
-    model.load_state_dict(state, strict=True, assign=True)  # raises if a key or a shape differs from the model
+    problem = misfit(model, state)
+    if problem:
+        raise ExportError(f"{source} does not fit the model of {run_dir / CONFIG_FILE}: {problem}")
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
         try:

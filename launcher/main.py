@@ -14,6 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from launcher.backend import BACKENDS, Backend, get_backend
 from launcher.lease import RunDirBusy
@@ -76,6 +77,14 @@ def launch(cfg: DictConfig, run_dir: Path) -> int:
 
 def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
     write_hydra_record(run_dir)
+    try:
+        OmegaConf.resolve(cfg)
+    except InterpolationResolutionError as error:  # ${a.key} that names nothing: a message, not a traceback
+        message = f"{str(error).splitlines()[0]}: an interpolation ${{...}} in the config names a key that is not there; " \
+                  f"set that key, or give the value itself"
+        print(f"error: {message}", file=sys.stderr)
+        write_status(run_dir, "failed", error=message)
+        return 2
     unset = sorted(OmegaConf.missing_keys(cfg))
     if unset:  # `???` in a config file: a value the user must give
         message = f"the config leaves {', '.join(unset)} unset (??? in its file): give {'them' if len(unset) > 1 else 'it'} " \

@@ -25,6 +25,7 @@ from launcher.targets import check_targets
 from train.data import DatasetMissing, prepare
 from train.dist import resolve_backend
 from train.identity import describe, identity_changes
+from train.weights import misfit, read_weights
 from train.models import pipeline_stages
 from train.parallel import GRAD_COMPRESSIONS, MEMORY_FORMATS
 from train.strategies import PIPELINE_SCHEDULES, STRATEGIES
@@ -205,6 +206,31 @@ def _check_files(cfg: Config, run_dir: Path, problems: list[str]) -> None:
             problems.append(str(error))
     else:
         _check_same_run(cfg, run_dir, problems)
+    _check_init_from(cfg, problems)
+
+
+def _check_init_from(cfg: Config, problems: list[str]) -> None:
+    """checkpoint.init_from: a file of weights that fits the model, key for key and shape for shape."""
+    path = cfg.checkpoint.init_from
+    if not path:
+        return
+    if not Path(path).is_file():
+        problems.append(f"checkpoint.init_from={path}: no such file; give a state dict file (python -m launcher.export "
+                        f"RUN_DIR --out model.pt writes one), or leave checkpoint.init_from out for random weights.")
+        return
+    try:
+        weights = read_weights(path)
+    except (ValueError, RuntimeError, OSError) as error:
+        problems.append(f"checkpoint.init_from={path} cannot be read as weights: {error}")
+        return
+    try:
+        model = _model_on_meta(cfg)
+    except Exception:  # noqa: BLE001 (a model that loads its own weights refuses the meta device: checked at start)
+        return
+    problem = misfit(model, weights)
+    if problem:
+        problems.append(f"checkpoint.init_from={path} does not fit model._target_={cfg.model['_target_']}: {problem}. "
+                        f"Give the weights of this model (the same architecture and arguments), or leave it out.")
 
 
 def _check_same_run(cfg: Config, run_dir: Path, problems: list[str]) -> None:

@@ -4,6 +4,7 @@ tests/foreign/nanogpt with its license), whose forward computes its own loss (ta
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import pytest
@@ -133,3 +134,76 @@ def test_a_model_that_does_not_fit_the_data_is_refused_before_start_naming_the_s
     fitted = run_cli("launcher", *run, "data.image_size=28", f"hydra.run.dir={tmp_path / 'at28'}", cwd=project)
     assert fitted.returncode == 0, fitted.stderr  # the fix the message points at
     assert final_checkpoint(tmp_path / "at28")["step"] == 2
+
+
+# --- Hugging Face causal language models, built from small configs (nothing downloaded) ------------------------
+
+HF = REPO / "tests" / "foreign" / "huggingface"
+
+
+def hf_run(corpus, run_dir, experiment: str, *overrides: str, world: int = 2):
+    base = ["--config-dir", "conf", f"+experiment={experiment}", *FAST, f"data.root={corpus}", "data.batch_size=16",
+            "trainer.eval_every=0", "trainer.log_every=4", "trainer.max_steps=8", f"trainer.procs_per_node={world}"]
+    return run_cli("launcher", *base, *overrides, f"hydra.run.dir={run_dir}", cwd=HF)
+
+
+@pytest.mark.parametrize("experiment", ["hf_gpt2", "hf_llama"])
+def test_a_hugging_face_lm_under_fsdp_with_meta_init_and_checkpointing_equals_ddp(corpus, tmp_path, experiment):
+    pytest.importorskip("transformers")
+    runs = {"ddp": [], "fsdp": ["trainer.strategy=fsdp", "trainer.activation_checkpointing=true"]}
+    for name, overrides in runs.items():
+        proc = hf_run(corpus, tmp_path / name, experiment, *overrides)
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+        if name == "fsdp":  # built on the meta device, tied embeddings included: no full build on every rank
+            assert "the model was built on the meta device" in proc.stderr and "building the whole model" not in proc.stderr
+    ddp, fsdp = (final_checkpoint(tmp_path / n)["model"] for n in runs)
+    assert "lm_head.weight" in ddp
+    for name, expected in ddp.items():
+        torch.testing.assert_close(fsdp[name], expected, **TOLERANCE, msg=f"fsdp + checkpointing: {name} differs from ddp")
+    [memory] = [r for r in read_metrics(tmp_path / "fsdp") if r["kind"] == "memory"]
+    assert memory["rank0_activation_mb"] > 0
+
+
+def test_hugging_face_perplexity_at_world_size_3_equals_one_process(corpus, tmp_path):
+    """{input_ids, labels} windows over 3 ranks (an unpadded share each), lr ~0: the same model evaluated."""
+    pytest.importorskip("transformers")
+    results = {}
+    for world in (1, 3):
+        proc = hf_run(corpus, tmp_path / f"world{world}", "hf_gpt2", "trainer.max_steps=1", "optim.lr=1e-12",
+                      "data.batch_size=8", "data.eval_batch_size=64", world=world)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        [results[world]] = [r for r in read_metrics(tmp_path / f"world{world}") if r["kind"] == "eval"]
+    assert results[3]["perplexity"] == pytest.approx(results[1]["perplexity"], rel=1e-6)
+    assert results[1]["perplexity"] == pytest.approx(math.exp(results[1]["loss"]), rel=1e-9)
+
+
+def test_a_hugging_face_lm_starts_from_a_save_pretrained_directory_and_from_an_export(corpus, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                                     eos_token_id=0)
+    torch.manual_seed(7)
+    pretrained = transformers.GPT2LMHeadModel(config)
+    pretrained.save_pretrained(tmp_path / "pretrained")
+    weights = {k: v.clone() for k, v in pretrained.state_dict().items()}
+    frozen = ["trainer.max_steps=1", "optim.lr=1e-12", "trainer.procs_per_node=1", "data.batch_size=8"]
+
+    loaded = hf_run(corpus, tmp_path / "from_dir", "hf_gpt2", *frozen, "~model.config",
+                    "model._target_=transformers.GPT2LMHeadModel.from_pretrained",
+                    f"+model.pretrained_model_name_or_path={tmp_path / 'pretrained'}", "data.train.block_size=32",
+                    "data.eval.block_size=32")
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    trained = final_checkpoint(tmp_path / "from_dir")["model"]
+    for name, value in weights.items():
+        torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-9, msg=f"{name}: not the saved weights")
+
+    torch.save(weights, tmp_path / "export.pt")  # what python -m launcher.export writes: a plain state dict
+    started = hf_run(corpus, tmp_path / "from_export", "hf_gpt2", *frozen, f"checkpoint.init_from={tmp_path / 'export.pt'}")
+    assert started.returncode == 0, started.stderr[-3000:]
+    trained = final_checkpoint(tmp_path / "from_export")["model"]
+    assert all(torch.allclose(trained[k], v, rtol=0, atol=1e-9) for k, v in weights.items())
+
+    wider = hf_run(corpus, tmp_path / "wider", "hf_gpt2", *frozen, "model.config.n_embd=64",
+                   f"checkpoint.init_from={tmp_path / 'export.pt'}")
+    assert wider.returncode == 2 and "plan:" not in wider.stdout  # refused before start, with the keys
+    assert f"checkpoint.init_from={tmp_path / 'export.pt'} does not fit model._target_=transformers.GPT2LMHeadModel" \
+        in wider.stderr and "size mismatch for transformer.wte.weight" in wider.stderr

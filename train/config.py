@@ -118,6 +118,9 @@ class CheckpointConfig:
     # A checkpoint read or write that moves no byte for this long is a hang (the rank reports the file and exits);
     # however long the whole read or write takes, it is not (trainer.hang_timeout_s does not apply). 0: unbounded.
     io_timeout_s: int = 600
+    # A fresh start begins from these weights (strict: every key and shape of the model): an export
+    # (python -m launcher.export), any saved state dict (.pt) or a .safetensors file. A resume ignores it.
+    init_from: str = ""
 
 
 CHECKPOINT_FORMATS = ("auto", "file", "dcp")

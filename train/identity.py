@@ -12,7 +12,8 @@ from __future__ import annotations
 from train.config import flatten
 
 # Keys (and sections) whose values define a run ...
-DEFINING = ("model", "task", "data", "optim.optimizer._target_", "optim.decay_norms_and_biases", "trainer.seed")
+DEFINING = ("model", "task", "data", "optim.optimizer._target_", "optim.decay_norms_and_biases", "trainer.seed",
+            "checkpoint.init_from")
 # ... except these, which only change how the same samples are batched and loaded.
 NOT_DEFINING = ("data.batch_size", "data.eval_batch_size", "data.num_workers", "data.pin_memory",
                 "data.persistent_workers", "data.prefetch_factor", "data.download")

@@ -32,6 +32,7 @@ from train.dist import DistEnv
 from train.evaluate import evaluate
 from train.host import freeze_imported_objects, keep_freed_memory
 from train.metrics import build_metrics
+from train.weights import read_weights
 from train.meta_init import Unsupported, build_on_meta, materialise
 from train.loader import LoaderBatches, loader_eval_batches
 from train.optim import Plan, build_scheduler, make_plan, replica_rank, replicas, train_size
@@ -156,6 +157,9 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
                              fmt=checkpoint_format(cfg), group=saving, watchdog=watchdog, local_rank=env.local_rank)
     progress, started = Progress(), time.perf_counter()
     state = resume_state(ckpt, env, watchdog)
+    if state is None and cfg.checkpoint.init_from:  # checked against the model before start (launcher)
+        strategy.load_model_state(read_weights(cfg.checkpoint.init_from))
+        log.info("a fresh start from the weights in %s", cfg.checkpoint.init_from)
     if state is not None:
         parts = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, plan=plan, env=env,
                      config=to_dict(cfg), read_tensors=ckpt.read_tensors)
@@ -188,6 +192,10 @@ def build_initial_model(cfg: TrainConfig):
             return model, recipes
         except Unsupported as why:
             log.warning("trainer.meta_init: building the whole model on every rank instead (%s)", why)
+            torch.manual_seed(cfg.trainer.seed)
+        except RuntimeError as why:  # a model that loads its weights (from_pretrained) refuses the meta device
+            log.warning("trainer.meta_init: building the whole model on every rank instead (it cannot be built on "
+                        "the meta device: %s)", str(why).splitlines()[0])
             torch.manual_seed(cfg.trainer.seed)
     return build_model(cfg), None
 
