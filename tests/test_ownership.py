@@ -125,11 +125,11 @@ def test_an_edited_experiment_file_never_resumes_the_other_runs_checkpoint(tmp_p
     [run_dir] = (project / "runs" / "mine").iterdir()  # named by the command line, which does not change below
     assert final_checkpoint(run_dir)["step"] == 4
 
-    write_experiment(project, hidden=16, root="data/other")  # the same command, another model and other data
+    write_experiment(project, hidden=16, root="data/other")  # the same command, another model (synthetic data: no root)
     edited = run_cli("launcher", *run, "trainer.max_steps=8", cwd=project)
     assert edited.returncode == 2
     assert f"hydra.run.dir={run_dir} holds checkpoints of another run" in edited.stderr
-    assert "data.root: " in edited.stderr and "model.hidden: [32] -> [16]" in edited.stderr
+    assert "model.hidden: [32] -> [16]" in edited.stderr
     assert f"hydra.run.dir={run_dir}-2" in edited.stderr  # the fix
     assert "Traceback" not in edited.stderr + edited.stdout
     assert final_checkpoint(run_dir)["step"] == 4  # nothing started
@@ -148,6 +148,27 @@ def test_an_edited_experiment_file_never_resumes_the_other_runs_checkpoint(tmp_p
     assert by_hand.returncode != 0
     assert "the checkpoint belongs to another run: model.hidden: [32] -> [16]" in by_hand.stderr
     assert "load_state_dict" not in by_hand.stderr and "size mismatch" not in by_hand.stderr
+
+
+def test_what_defines_a_run_follows_the_files_the_data_reads_not_how_it_is_batched():
+    from omegaconf import OmegaConf
+
+    from conftest import compose
+    from train.identity import identity_changes
+
+    def config(*overrides):
+        return OmegaConf.to_container(compose("data=tokens", *overrides), resolve=True)
+
+    mine = config("data.root=/data/mine")
+    assert identity_changes(mine, config("data.root=/data/openwebtext")) == [
+        "data.eval.path: '/data/mine/val.bin' -> '/data/openwebtext/val.bin'",
+        "data.train.path: '/data/mine/train.bin' -> '/data/openwebtext/train.bin'"]
+    assert identity_changes(mine, config("data.root=/data/mine", "data.batch_size=64", "optim.lr=0.5",
+                                         "trainer.max_steps=9", "optim.weight_decay=0.1", "trainer.procs_per_node=8")) == []
+    assert identity_changes(mine, config("data.root=/data/mine", "optim=adamw")) == [
+        "optim.optimizer._target_: 'torch.optim.SGD' -> 'torch.optim.AdamW'"]
+    # digits are bundled: data.root is not read, so it does not tell runs apart
+    assert identity_changes(config("data=digits", "data.root=/a"), config("data=digits", "data.root=/b")) == []
 
 
 def test_a_changed_weight_decay_is_applied_on_resume_and_named(launch, tmp_path):

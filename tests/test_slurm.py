@@ -109,13 +109,13 @@ def test_the_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_weigh
     # The same command while the job waits in the queue after its requeue (status.json says "stopped"): refused.
     requeued = launch(*LONG_JOB, f"hydra.run.dir={run_dir}", env=no_accounting)
     assert requeued.returncode == 2 and f"belongs to SLURM job {job_id} (PENDING)" in requeued.stderr
+    status = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(run_dir)], capture_output=True,
+                            text=True, env={**os.environ, **no_accounting})
+    assert f"held by SLURM job {job_id} (PENDING)" in status.stdout and f"{job_id} PENDING" in " ".join(status.stdout.split())
     start_requeued_now(job_id)
     wait_for(lambda: state(job_id) == "RUNNING", timeout=120, what="the second attempt to start")
     second_attempt = launch(*LONG_JOB, f"hydra.run.dir={run_dir}", env=no_accounting)
     assert second_attempt.returncode == 2 and f"belongs to SLURM job {job_id} (RUNNING)" in second_attempt.stderr
-    status = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(run_dir)], capture_output=True,
-                            text=True, env={**os.environ, **no_accounting})
-    assert f"held by SLURM job {job_id} (RUNNING)" in status.stdout and f"{job_id} RUNNING" in " ".join(status.stdout.split())
     wait_for(lambda: state(job_id) == "COMPLETED", timeout=240, what="the requeued job to complete")
     assert recorded_jobs(run_dir) == [job_id]  # the refused launches submitted nothing
     assert not (run_dir / "lease.json").exists()  # released at the job's clean end

@@ -14,8 +14,9 @@ from train.config import flatten
 # Keys (and sections) whose values define a run ...
 DEFINING = ("model", "task", "data", "optim.optimizer._target_", "optim.decay_norms_and_biases", "trainer.seed",
             "checkpoint.init_from")
-# ... except these, which only change how the same samples are batched and loaded.
-NOT_DEFINING = ("data.batch_size", "data.eval_batch_size", "data.num_workers", "data.pin_memory",
+# ... except these, which only change how the same samples are batched and loaded. (data.root counts where a data
+# set reads it: its files' paths are in data.train and data.eval, resolved; the bundled sets never read it.)
+NOT_DEFINING = ("data.root", "data.batch_size", "data.eval_batch_size", "data.num_workers", "data.pin_memory",
                 "data.persistent_workers", "data.prefetch_factor", "data.download")
 
 
