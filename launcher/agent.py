@@ -58,14 +58,36 @@ def root_causes(failures: dict[int, ProcessFailure]) -> list[tuple[int, ProcessF
     return causes or ranked
 
 
+def _headline(failure: ProcessFailure) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return str(message).strip().splitlines()[-1] if str(message).strip() else ""
+
+
+def failure_report(failures: dict[int, ProcessFailure]) -> str:
+    """The first failing rank's error with its traceback, once; every other rank on one line ("the same error" when
+    it is): N ranks failing alike are one traceback to read, not N."""
+    causes = root_causes(failures)
+    first_rank, first = min(causes, key=lambda item: (item[1].timestamp, item[0]))
+    lines = [f"rank {first_rank} failed, {describe(first)}"]
+    for rank, failure in sorted(failures.items()):
+        if rank == first_rank:
+            continue
+        how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        headline = _headline(failure)
+        same = headline and headline == _headline(first)
+        lines.append(f"rank {rank}: {how}" + (": the same error" if same else f": {headline}" if headline else ""))
+    return "\n".join(lines)
+
+
 class Agent(LocalElasticAgent):
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
         if result.is_failed() and self._remaining_restarts > 0:
             spec = worker_group.spec
             number = spec.max_restarts - self._remaining_restarts + 1
-            for rank, failure in root_causes(result.failures):
-                print(f"rank {rank} failed, {describe(failure)}", file=sys.stderr, flush=True)
+            print(failure_report(result.failures), file=sys.stderr, flush=True)
             print(
                 f"restarting the workers (restart {number} of {spec.max_restarts}); training resumes from the "
                 f"newest checkpoint",

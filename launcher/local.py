@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig
 
-from launcher.agent import run_agent
+from launcher.agent import failure_report, run_agent
 from launcher.backend import Backend, check_run_dir_free
 from launcher.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.schema import Config
@@ -174,7 +174,7 @@ class Local(Backend):
         try:
             launch_local(cfg, run_dir, snapshot)
         except ChildFailedError as error:
-            print(f"error: training failed.\n{error.format_msg()}", file=sys.stderr)
+            print(f"error: training failed.\n{failure_report(error.failures)}", file=sys.stderr)
             write_status(run_dir, "failed", error=f"rank {error.get_first_failure()[0]} failed")
             return 1
         except SignalException as error:

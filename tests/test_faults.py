@@ -103,7 +103,42 @@ def test_a_rank_that_fails_at_start_up_ends_the_job_with_its_error(launch, tmp_p
     assert proc.returncode == 1
     assert "error: training failed" in proc.stderr
     assert "ValueError: injected config error on rank 1" in proc.stderr  # the failing rank's own traceback
-    assert "rank      : 1" in proc.stderr
+    assert "rank 1 failed, exit code 1" in proc.stderr
+    assert proc.stderr.count("Traceback (most recent call last)") == 1  # once, not once per rank and again in a report
+
+
+BOOM = """
+import torch
+from torch import nn
+
+
+class Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(256, 10))
+        self.calls = 0
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls == 3:
+                raise ValueError("boom at the third step")
+        return self.body(x)
+"""
+
+
+def test_ranks_that_fail_alike_print_one_traceback_and_a_line_each(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "boom.py").write_text(BOOM)
+    proc = run_cli("launcher", *FAST, "trainer.procs_per_node=3", "~model", "+model._target_=boom.Boom",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=project)
+    assert proc.returncode == 1
+    assert proc.stderr.count("Traceback (most recent call last)") == 1
+    assert proc.stderr.count('raise ValueError("boom at the third step")') == 1
+    first = int(proc.stderr.split("error: training failed.\nrank ")[1].split()[0])
+    others = sorted({0, 1, 2} - {first})
+    assert all(f"rank {r}: exit code 1: the same error" in proc.stderr for r in others)
 
 
 def test_a_rendezvous_port_in_use_is_refused_before_start(launch, tmp_path):

@@ -5,6 +5,8 @@ without any launcher it trains as a single process.
 """
 
 import argparse
+import os
+import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -21,5 +23,12 @@ def cli() -> None:
 
 
 if __name__ == "__main__":
-    cli()
+    try:
+        cli()
+    except Exception as error:
+        if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            raise  # no agent to report it: the traceback goes to stderr, as usual
+        # @record wrote the traceback to the error file: the launcher prints the first failing rank's once.
+        print(f"[rank {os.environ.get('RANK', '?')}] failed: {type(error).__name__}: {error}", file=sys.stderr)
+        exit_without_finalizing(1)
     exit_without_finalizing()
