@@ -96,3 +96,21 @@ def test_waits_on_io_are_patient_only_while_they_last():
     and is back afterwards, also when the wait fails."""
     proc = subprocess.run([sys.executable, "-c", PATIENCE], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_fp32_on_gpus_uses_tf32_unless_turned_off_and_never_on_the_cpu():
+    import torch
+
+    from train.step import set_matmul_precision, uses_tf32
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert uses_tf32("32", True, gpu) and not uses_tf32("32", False, gpu)
+    assert not uses_tf32("bf16", True, gpu) and not uses_tf32("32", True, cpu)
+    try:
+        set_matmul_precision("32", True, gpu)  # what a GPU rank sets (only flags: no GPU needed to set them)
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+        set_matmul_precision("32", False, gpu)
+        assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+    finally:
+        set_matmul_precision("32", True, cpu)
+    assert torch.get_float32_matmul_precision() == "highest"

@@ -42,7 +42,8 @@ from train.parallel import Strategy, memory_format, place
 from train.strategies import build_strategy
 from train.state import Progress, build_state, gather_rng, restore_state, seed_rank, sharded_parts
 from train.status import write_status
-from train.step import ForwardClock, Meter, SavedActivations, build_autocast, train_step
+from train.step import (ForwardClock, Meter, SavedActivations, build_autocast, set_matmul_precision, train_step,
+                        uses_tf32)
 from train.stopping import StopRequest
 from train.watchdog import Watchdog
 
@@ -71,6 +72,7 @@ def main(config_path: str | Path) -> Outcome:
     log.setLevel(logging.INFO if env.is_main else logging.WARNING)
     torch.set_num_threads(cfg.trainer.threads or distributed.default_threads(env))
     device = distributed.pick_device(env, cfg.trainer.gpus)
+    set_matmul_precision(cfg.trainer.precision, cfg.trainer.tf32, device)
     backend = distributed.resolve_backend(cfg.trainer.backend, cfg.trainer.gpus)
     distributed.init_process_group(env, backend, device, cfg.trainer.timeout_s)
     watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s, cfg.checkpoint.io_timeout_s)  # loading is watched too
@@ -235,6 +237,8 @@ def describe_plan(run: Run) -> str:
         f"lr schedule: {describe_schedule(run)}, {plan.steps_per_epoch} steps/epoch x {cfg.trainer.epochs} epochs = "
         f"{plan.total_steps} steps"
     )
+    if run.device.type == "cuda" and cfg.trainer.precision == "32":
+        text += ", TF32 matmuls" if uses_tf32("32", cfg.trainer.tf32, run.device) else ", fp32 matmuls (trainer.tf32=false)"
     if plan.stop_step < plan.total_steps:
         text += f", stopping at step {plan.stop_step}"
     if run.resumed:
