@@ -217,3 +217,14 @@ def test_a_second_launch_into_a_running_run_dir_is_refused(launch, tmp_path):
     assert second.returncode == 2
     assert f"hydra.run.dir={run_dir} is in use by another launcher (pid {first.pid} on " in second.stderr
     assert "plan:" not in second.stdout  # no worker of the second launch started
+
+
+def test_a_rank_that_compiles_slower_than_the_collective_timeout_is_waited_for(launch, tmp_path):
+    """Under trainer.compile the first step (and the first evaluation) compile, for minutes, and ranks finish apart:
+    rank 1 here takes 6 s longer than rank 0, against 3 s limits for collectives and hangs."""
+    env = {**fault_env("slow_compile", rank=1, step=1), "FAULT_DELAY_MS": "6000"}
+    proc = launch(*FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16", "trainer.compile=true",
+                  "trainer.max_steps=4", "trainer.timeout_s=3", "trainer.hang_timeout_s=3", f"hydra.run.dir={tmp_path / 'run'}",
+                  env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert final_checkpoint(tmp_path / "run")["step"] == 4

@@ -90,7 +90,9 @@ def test_gpt_ddp_matches_one_process_and_fsdp_checkpointing_and_compile_match_dd
         "one": ["trainer.procs_per_node=1", "data.batch_size=32"],
         "fsdp": ["trainer.procs_per_node=2", "trainer.strategy=fsdp"],
         "fsdp_ac": ["trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.activation_checkpointing=true"],
-        "fsdp_compiled": ["trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.compile=true"],  # each block
+        # each block compiled, 2 micro-batches of 8 per step: the same global batch of 32
+        "fsdp_compiled": ["trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.compile=true",
+                          "trainer.accumulate=2", "data.batch_size=8"],
     }
     for name, overrides in runs.items():
         proc = gpt_run(corpus, tmp_path / name, *overrides)
@@ -105,7 +107,7 @@ def test_gpt_ddp_matches_one_process_and_fsdp_checkpointing_and_compile_match_dd
         torch.testing.assert_close(ddp[name], expected, **TOLERANCE, msg=f"ddp 2 x 16: {name} differs from 1 x 32")
         torch.testing.assert_close(fsdp[name], ddp[name], **TOLERANCE, msg=f"fsdp: {name} differs from ddp")
         torch.testing.assert_close(fsdp_ac[name], fsdp[name], rtol=0, atol=1e-6, msg=f"checkpointing: {name} differs")
-        torch.testing.assert_close(compiled[name], fsdp[name], **TOLERANCE, msg=f"compiled blocks: {name} differs")
+        torch.testing.assert_close(compiled[name], fsdp[name], **TOLERANCE, msg=f"compiled blocks, accumulating: {name} differs")
 
 
 def test_a_two_stage_pipeline_of_the_gpt_reaches_one_process(corpus, tmp_path):

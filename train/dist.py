@@ -176,7 +176,13 @@ def patient(group):
 
 
 def timeout_of(group: dist.ProcessGroup) -> timedelta:
-    return group._get_backend(torch.device("cpu")).options._timeout
+    """The group's collective timeout (its gloo backend's, or under NCCL the GPU backend's)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return CONTROL_TIMEOUT  # no backend to ask: nothing to lift
 
 
 def all_gather_objects(value, group=None) -> list:

@@ -119,6 +119,7 @@ class Run:
     batches: object  # this rank's training batches (train_source)
     flops_per_token: float  # the model's training FLOPs per token, if it says (for MFU); else 0
     startup_peak_bytes: int = 0  # this process's peak host memory once built (the model, its shards, a checkpoint)
+    evaluations: int = 0  # evaluations run by this process (under trainer.compile, the first one compiles)
 
 
 def resume_state(ckpt: CheckpointManager, env: DistEnv, watchdog: Watchdog) -> dict | None:
@@ -321,11 +322,23 @@ def monitored(run: Run) -> tuple[str, str]:
     return run.cfg.checkpoint.monitor or run.task.main_metric, run.cfg.checkpoint.mode or run.task.mode
 
 
+@contextlib.contextmanager
+def compiling(run: Run, what: str):
+    """A first pass under trainer.compile compiles: minutes, and ranks finish minutes apart. No hang detection
+    inside, and the training group's collectives wait for the slowest rank beyond trainer.timeout_s (the first
+    compiled step's all-reduces, FSDP's all-gathers in the first evaluation, meet ranks still compiling)."""
+    with run.watchdog.paused(what), distributed.patient(None):
+        yield
+
+
 def evaluate_and_save(run: Run, metrics, console) -> dict[str, float]:
     """Evaluate, then checkpoint: the file written at this step carries this evaluation (best metric, best.pt)."""
     progress, watchdog = run.progress, run.watchdog
-    result = evaluate(run.strategy, run.task, eval_source(run), run.device, run.autocast,
-                      heartbeat=lambda: watchdog.beat(progress.step, "evaluating"))
+    first_compiled = run.cfg.trainer.compile and run.evaluations == 0  # fsdp compiles each block's eval graph now
+    with compiling(run, "compiling the evaluation") if first_compiled else contextlib.nullcontext():
+        result = evaluate(run.strategy, run.task, eval_source(run), run.device, run.autocast,
+                          heartbeat=lambda: watchdog.beat(progress.step, "evaluating"))
+    run.evaluations += 1
     epoch = progress.step / run.plan.steps_per_epoch
     metrics.log("eval", progress.step, {**result, "epoch": epoch})
     console.show_eval(progress.step, epoch, result)
@@ -370,10 +383,10 @@ def fit(run: Run) -> Outcome:
         epoch, offset = divmod(progress.step, plan.steps_per_epoch)
         if micro_batches is None or offset == 0:
             micro_batches = batches.epoch(epoch, start=offset * cfg.trainer.accumulate)
-        compiling = cfg.trainer.compile and progress.step == start  # the first step compiles: minutes, not a hang
+        compiling_now = cfg.trainer.compile and progress.step == start  # the first step compiles: minutes, not a hang
         # This attempt's first step counts the activations it keeps (not under compile: the hooks would be traced).
         saved = SavedActivations(run.strategy.model) if progress.step == start and not cfg.trainer.compile else None
-        with watchdog.paused("compiling the first step") if compiling else contextlib.nullcontext(), \
+        with compiling(run, "compiling the first step") if compiling_now else contextlib.nullcontext(), \
                 saved or contextlib.nullcontext():
             train_step(run.strategy, run.task, micro_batches, run.optimizer, run.scheduler, run.scaler, run.autocast,
                        cfg.trainer, meter)

@@ -8,6 +8,7 @@ restart runs clean):
   FAULT=slow_data  wait FAULT_DELAY_MS (default 50) before each training batch of this rank: a data stall
   FAULT=slow_forward  wait FAULT_DELAY_MS (default 50) inside every training forward pass of this rank: a slow GPU
   FAULT=term    send itself SIGTERM at the start of optimizer step FAULT_STEP (a stop lands on a known step)
+  FAULT=slow_compile  wait FAULT_DELAY_MS inside optimizer step FAULT_STEP (a rank that compiles slower than the others)
   FAULT=kill_in_save  SIGKILL itself while committing the step directory of step FAULT_STEP (see the end)
   FAULT=slow_commit  wait FAULT_DELAY_MS (default 50) before committing each step directory (every attempt)
   FAULT=slow_io checkpoint reads and writes of this rank (of every rank with FAULT_RANK=all) go in 1 kB chunks,
@@ -121,6 +122,9 @@ elif (
         def faulty_train_step(*args, **kwargs):
             calls[0] += 1
             if calls[0] == int(os.environ["FAULT_STEP"]):
+                if kind == "slow_compile":
+                    threading.Event().wait(int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000)
+                    return train_step(*args, **kwargs)
                 if kind == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 if kind == "term":
