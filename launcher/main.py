@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from launcher.backend import BACKENDS, Backend, get_backend
+from launcher.forecast import dry_run_forecast
 from launcher.lease import RunDirBusy
 from launcher.summary import summary
 from launcher.validate import ConfigError, typed_config, validate
@@ -110,6 +111,11 @@ def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
         return 0
     print(summary(typed, run_dir, changed), flush=True)
     if typed.launcher.dry_run:
+        lines, refusal = dry_run_forecast(typed, snapshot)
+        print("\n".join(lines), flush=True)
+        if refusal:
+            print(f"error: {refusal}", file=sys.stderr)
+            return 2
         print(f"dry run: nothing started. Run one rank by hand with: python -m train {snapshot}")
         return 0
     return backend.start(typed, run_dir, snapshot)

@@ -127,6 +127,7 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
                         f"would write {checkpoint_format(cfg)!r} checkpoints), or leave async_save out.")
     _at_least(problems, "data.num_workers", d.num_workers, 0, "0 loads in the training process")
     _at_least(problems, "launcher.max_restarts", cfg.launcher.max_restarts, 0)
+    _at_least(problems, "launcher.gpu_memory_gb", cfg.launcher.gpu_memory_gb, 0.0, "0 takes this machine's GPU")
 
 
 def _model_on_meta(cfg: Config):
@@ -254,8 +255,11 @@ def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> Non
     if not _choice(problems, "launcher.name", cfg.launcher.name, sorted(BACKENDS)):
         raise ConfigError(problems)
     backend = get_backend(cfg.launcher.name)
-    _check_world(cfg, problems, torch.cuda.device_count() if cuda_devices is None else cuda_devices, backend.runs_here)
-    backend.validate(cfg, problems)
+    # A dry run forecasts a run for GPUs elsewhere (a laptop planning 64 nodes): this machine's are not counted.
+    runs_here = backend.runs_here and not cfg.launcher.dry_run
+    _check_world(cfg, problems, torch.cuda.device_count() if cuda_devices is None else cuda_devices, runs_here)
+    if runs_here or backend.name != "local":
+        backend.validate(cfg, problems)
     _check_training(cfg, problems)
     before = len(problems)
     check_targets(cfg, problems)

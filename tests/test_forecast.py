@@ -1,0 +1,74 @@
+"""The dry run at the target scale: rank 0 and the last rank of the configured world built on torch's fake process
+group with the model on the meta device, and what each will hold per GPU, on this CPU-only machine in seconds."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import FAST, REPO, read_metrics, run_cli
+
+GPT_7B = ["model.n_layer=32", "model.n_head=32", "model.n_embd=4096", "model.block_size=2048", "model.vocab_size=32000"]
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    """A token file as long as 512 ranks need (100M tokens), sparse: its length is all a forecast reads."""
+    directory = tmp_path_factory.mktemp("tokens")
+    np.random.default_rng(0).integers(0, 50257, 20_000, dtype=np.uint16).tofile(directory / "val.bin")
+    with open(directory / "train.bin", "wb") as f:
+        f.truncate(2 * 100_000_000)
+    (directory / "meta.json").write_text(json.dumps({"vocab_size": 50304, "dtype": "uint16"}))
+    return directory
+
+
+def dry_run(tmp_path, *overrides):
+    return run_cli("launcher", "+experiment=gpt2_124m", "trainer.nodes=64", "launcher.dry_run=true",
+                   "launcher.gpu_memory_gb=80", *overrides, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+
+
+def forecast(tmp_path, world: int, rank: int) -> dict:
+    proc = run_cli("train.forecast", str(tmp_path / "run" / "config.yaml"), "--world", str(world), "--rank", str(rank),
+                   cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_gpt2_124m_on_64_nodes_of_8_gpus_is_built_as_its_ranks_and_fits(tokens, tmp_path):
+    proc = dry_run(tmp_path, f"data.root={tokens}")
+    assert proc.returncode == 0, proc.stderr[-2000:]  # on a machine without a GPU
+    assert "forecast  rank 0 of 512 (fsdp, 64 copies x 8 shards; 124.4M parameters)" in proc.stdout
+    assert "forecast  rank 511 of 512" in proc.stdout and "(fits)" in proc.stdout
+    last = forecast(tmp_path, 512, 511)
+    # HSDP within a node: 8 shards of fp32 parameters (FSDP pads a shard by a row at most)
+    assert last["parameter_bytes"] == pytest.approx(124_373_760 * 4 / 8, rel=0.01)
+    assert last["gradient_bytes"] == last["parameter_bytes"]
+    assert last["optimizer_bytes"] == pytest.approx(2 * last["parameter_bytes"], rel=0.01)  # AdamW: two moments
+    assert last["global_batch"] == 512 * 16 * 4 and last["samples_per_replica"] == -(-97_560 // 512)
+
+
+def test_a_7b_gpt_that_cannot_fit_under_ddp_is_refused_with_the_numbers_and_fits_sharded(tokens, tmp_path):
+    proc = dry_run(tmp_path, f"data.root={tokens}", *GPT_7B, "trainer.strategy=ddp", "data.batch_size=4")
+    assert proc.returncode == 2
+    assert "forecast  rank 0 of 512 (ddp, 512 replicas; 6,582.2M parameters): parameters 24.52" in proc.stdout
+    assert "more than the 70.0 GB usable on a 80 GB GPU (launcher.gpu_memory_gb)" in proc.stderr
+    assert "Try: trainer.strategy=fsdp" in proc.stderr
+    sharded = dry_run(tmp_path, f"data.root={tokens}", *GPT_7B, "data.batch_size=1", "trainer.activation_checkpointing=true")
+    assert sharded.returncode == 0 and "(fits)" in sharded.stdout, sharded.stderr[-2000:]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_forecast_at_world_size_2_is_what_a_real_2_process_run_measures(tmp_path, strategy):
+    run = [*FAST, "trainer.procs_per_node=2", f"trainer.strategy={strategy}", "trainer.max_steps=1", "trainer.log_every=1"]
+    real = run_cli("launcher", *run, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert real.returncode == 0, real.stderr[-2000:]
+    [measured] = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "memory"]
+    predicted = forecast(tmp_path, 2, 0)
+    mb = 2**20
+    assert predicted["parameter_bytes"] / mb == pytest.approx(measured["rank0_param_mb"], rel=0.01)
+    assert predicted["optimizer_bytes"] / mb == pytest.approx(measured["rank0_optim_mb"], rel=0.01)
+    if strategy == "ddp":  # fsdp's measure also counts the gathered parameters a block keeps for its backward
+        assert predicted["activation_bytes"] / mb == pytest.approx(measured["rank0_activation_mb"], rel=0.1)

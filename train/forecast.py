@@ -1,0 +1,217 @@
+"""`python -m train.forecast RUN_DIR/config.yaml --world W --rank R`: rank R of a world of W, built on a laptop.
+
+torch's fake process group (backend "fake": every collective returns at once, nothing is sent) stands in for the
+W - 1 other ranks, and the model lives on the meta device (shapes, no memory): the run's device mesh and sharding
+are the real ones at the target scale, for any model size, in seconds. What one rank will hold is measured there:
+
+- parameters and gradients: this rank's shards (fsdp, hsdp) or the whole model (ddp), at their dtypes;
+- optimizer state: the configured optimizer takes one step on meta gradients, and its state is counted;
+- activations: what autograd keeps for the backward of one micro-batch (data.batch_size samples, the first
+  sample's shapes), counted by saved-tensor hooks on a meta forward and loss, with activation checkpointing
+  as configured. scaled_dot_product_attention counts what a fused (flash) kernel keeps, not the T x T weights of
+  the meta device's math path. Under bf16/fp16 autocast the activations are counted at fp32 and halved (autocast
+  does not run on the meta device);
+- gathered: under fsdp, the largest sharded unit's whole parameters, twice (the one computing, the one prefetched).
+
+Printed as JSON for the launcher's dry run (launcher/forecast.py), which judges it against the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from train.build import add_import_path, build_model, build_optimizer, build_task, checkpoint_blocks, instantiate
+from train.config import TrainConfig, load_config
+from train.dist import DistEnv
+from train.optim import make_plan, replicas, train_size
+from train.step import model_call
+
+MB = 2**20
+
+
+class MetaActivations:
+    """Bytes autograd keeps for the backward inside the `with`, on the meta device (each storage once, parameters
+    excluded): the same count as train.step.SavedActivations, keyed by storage identity (meta storages have no
+    addresses)."""
+
+    def __init__(self, model: nn.Module):
+        self.parameters = {_storage(p) for p in model.parameters()}
+        self.seen: set[int] = set()
+        self.bytes = 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage(tensor)
+        if key not in self.seen and key not in self.parameters:
+            self.seen.add(key)
+            self.bytes += tensor.untyped_storage().nbytes()
+        return tensor
+
+    def __enter__(self) -> MetaActivations:
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.untyped_storage()._cdata
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def _meta_batch(cfg: TrainConfig, dataset):
+    """One micro-batch of meta tensors with the first sample's shapes (see launcher/one_batch.py)."""
+    from torch.utils.data import default_collate
+
+    from train.data import TensorData
+
+    if isinstance(dataset, TensorData):
+        one = (dataset.images[:1].float(), dataset.labels[:1])
+    else:
+        one = (instantiate(cfg.data.collate_fn) if cfg.data.collate_fn else default_collate)([dataset[0]])
+
+    def grow(value):
+        if isinstance(value, torch.Tensor):
+            return torch.empty((cfg.data.batch_size, *value.shape[1:]), dtype=value.dtype, device="meta")
+        if isinstance(value, dict):
+            return {k: grow(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(grow(v) for v in value)
+        return value
+
+    return grow(one)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """What a GPU's fused attention keeps for its backward (q, k, v, the output and the row log-sum-exp), not the
+    T x T weights that the meta device's math path would keep."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+class _FusedAttention(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return _FlashAttention.apply(*args[:3])
+        return func(*args, **(kwargs or {}))
+
+
+def activations(cfg: TrainConfig, dataset) -> int:
+    """Bytes kept for the backward of one micro-batch, the model whole on the meta device (a forward holds the same
+    activations whether its parameters are sharded or not)."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    if cfg.trainer.activation_checkpointing:
+        checkpoint_blocks(model)
+    task = build_task(cfg)
+    inputs, targets = task.split(_meta_batch(cfg, dataset))
+    with MetaActivations(model) as saved, _FusedAttention():
+        task.loss(model_call(task)(model, inputs), targets)
+    return saved.bytes // 2 if cfg.trainer.precision in ("bf16", "fp16") else saved.bytes
+
+
+def forecast(cfg: TrainConfig, rank: int, world: int) -> dict:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from train.sharded import shard_units
+    from train.strategies import build_strategy
+
+    per_node = cfg.trainer.gpus or cfg.trainer.procs_per_node
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        env = DistEnv(rank=rank, local_rank=rank % per_node, world_size=world, local_world_size=per_node)
+        dataset = instantiate(cfg.data.train)
+        plan = make_plan(cfg, world, train_size(dataset, cfg))
+        with torch.device("meta"):
+            model = build_model(cfg)
+        largest_unit = 0
+        if cfg.trainer.strategy == "fsdp":
+            largest_unit = largest_gathered(cfg, shard_units(model))
+            strategy = build_strategy(model, cfg.trainer, env, torch.device("cpu"))  # the real mesh and sharding
+            model = strategy.model
+        params = sum(_local_bytes(p) for p in model.parameters())
+        optimizer = build_optimizer(cfg.optim, model, plan.lr)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()  # creates the state (on meta: nothing computed)
+        state = sum(_local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+        grads = sum(_local_bytes(p.grad) for p in model.parameters())
+        return {
+            "rank": rank, "world_size": world, "strategy": cfg.trainer.strategy, "replicas": replicas(cfg, world),
+            "global_batch": plan.global_batch, "steps_per_epoch": plan.steps_per_epoch, "total_steps": plan.total_steps,
+            "lr": plan.lr, "samples_per_replica": -(-train_size(dataset, cfg) // replicas(cfg, world)),
+            "parameters": sum(p.numel() for p in build_full_counts(cfg)), "parameter_bytes": params,
+            "gradient_bytes": grads, "optimizer_bytes": state, "activation_bytes": activations(cfg, dataset),
+            "gathered_bytes": 2 * largest_unit if cfg.trainer.strategy == "fsdp" else 0,
+            "mesh": _mesh(cfg, env),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def largest_gathered(cfg: TrainConfig, units: list[nn.Module]) -> int:
+    """Bytes of the largest FSDP unit's own parameters gathered whole (not those of the units inside it), at the
+    dtype FSDP gathers them in (bf16/fp16 under mixed precision)."""
+    claimed: set[int] = set()
+    largest = 0
+    for unit in units:  # innermost first, as they are sharded
+        own = [p for p in unit.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        size = 2 if cfg.trainer.precision in ("bf16", "fp16") else 4
+        largest = max(largest, sum(p.numel() * size for p in own))
+    return largest
+
+
+def _mesh(cfg: TrainConfig, env: DistEnv) -> str:
+    """The device mesh in words: fsdp's shards (and hsdp's copies of them), or ddp's replicas."""
+    from train.sharded import replica_groups
+
+    if cfg.trainer.strategy != "fsdp":
+        return f"{env.world_size} replicas"
+    copies = replica_groups(cfg.trainer, env)
+    return f"{copies} copies x {env.world_size // copies} shards" if copies > 1 else f"{env.world_size} shards"
+
+
+def build_full_counts(cfg: TrainConfig):
+    with torch.device("meta"):
+        return list(build_model(cfg).parameters())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m train.forecast", description=__doc__.splitlines()[0])
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--rank", type=int, default=0)
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config)
+    add_import_path(cfg)
+    torch.set_num_threads(1)
+    print(json.dumps(forecast(cfg, args.rank, args.world)))
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)  # nothing to finalize: a fake group holds no threads worth waiting for
