@@ -14,10 +14,12 @@ moment cannot both find the directory free.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -84,6 +86,15 @@ def flock(run_dir: Path, mode: int, what: str, name: str = LOCK_FILE):
         lock.close()
         raise RunDirBusy(f"{what} is in use by another launcher ({holder}) on this machine: wait for it to finish, "
                          f"stop it, or choose another hydra.run.dir.") from None
+    except OSError as error:
+        if error.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+            raise
+        lock.close()  # a file system without locks (Lustre without -o flock): the lease alone decides
+        print(f"warning: {what}: this file system has no flock ({os.strerror(error.errno)}); two launches started at "
+              f"the same moment could both find the directory free (mount it with -o flock to close that gap)",
+              file=sys.stderr)
+        yield
+        return
     try:
         lock.truncate(0)
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}")

@@ -155,6 +155,12 @@ class Local(Backend):
                 f"node (run the same command on every node), e.g. launcher.rdzv_endpoint=node0:29400."
             )
         _check_endpoint(cfg, problems)
+        if cfg.trainer.nodes > 1:  # the doctor's network findings, in short: warnings (the nodes may all be here)
+            from launcher.doctor import check_network
+
+            for finding in check_network(cfg):
+                if finding.problem:
+                    print(f"warning: {finding.text} (python -m launcher.doctor checks more)", file=sys.stderr)
 
     @contextlib.contextmanager
     def hold(self, cfg: DictConfig, run_dir: Path):

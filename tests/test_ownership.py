@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 
 from conftest import FAST, final_checkpoint, logged_steps, read_metrics, wait_for
 
@@ -202,3 +204,27 @@ def test_values_that_would_break_the_batch_script_and_max_restarts_are_refused_u
     assert "launcher.sbatch.gres=" not in text.replace("e.g. launcher.sbatch.gres=gpu:4", "")  # a fine value
     assert "['Bad Key'] that are not sbatch options" in text
     assert "launcher.max_restarts=2 restarts the workers of a local launch" in text
+
+
+def test_a_file_system_without_flock_falls_back_to_the_lease_with_a_warning(tmp_path, capsys):
+    """Lustre without -o flock raises ENOSYS: a warning, and the lease still decides (it was a traceback)."""
+    import errno
+    import fcntl
+    from unittest import mock
+
+    from launcher.lease import LOCK_FILE, flock
+
+    def no_locks(*args):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    with mock.patch.object(fcntl, "flock", no_locks):
+        with flock(tmp_path, fcntl.LOCK_EX, "hydra.run.dir=x"):
+            entered = True
+    assert entered and "this file system has no flock (Function not implemented)" in capsys.readouterr().err
+    from launcher.lease import RunDirBusy
+
+    with flock(tmp_path, fcntl.LOCK_EX, "hydra.run.dir=x"):  # with locks: held, and a second holder is refused
+        with pytest.raises(RunDirBusy, match="is in use by another launcher"):
+            with flock(tmp_path, fcntl.LOCK_EX, "hydra.run.dir=x"):
+                pass
+    assert (tmp_path / LOCK_FILE).exists()
