@@ -84,6 +84,10 @@ def dry_run_forecast(cfg: Config, snapshot: Path) -> tuple[list[str], str | None
             figures = rank_forecast(snapshot, world, rank)
         except (ForecastFailed, subprocess.TimeoutExpired) as error:
             return [f"forecast  not made: building rank {rank} of {world} failed ({error})"], None
+        if not lines:
+            lines.append(f"forecast  plan at {world} ranks: global batch {figures['global_batch']}, "
+                         f"{figures['steps_per_epoch']} steps/epoch, {figures['total_steps']} steps, lr {figures['lr']:.4g}; "
+                         f"each of {figures['replicas']} data replicas reads {figures['samples_per_replica']} samples per epoch")
         lines.append(describe(figures, cfg))
         worst = figures if worst is None or total(figures) > total(worst) else worst
     memory = gpu_memory_gb(cfg)

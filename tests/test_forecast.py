@@ -41,6 +41,8 @@ def test_gpt2_124m_on_64_nodes_of_8_gpus_is_built_as_its_ranks_and_fits(tokens, 
     proc = dry_run(tmp_path, f"data.root={tokens}")
     assert proc.returncode == 0, proc.stderr[-2000:]  # on a machine without a GPU
     assert "forecast  rank 0 of 512 (fsdp, 64 copies x 8 shards; 124.4M parameters)" in proc.stdout
+    assert "forecast  plan at 512 ranks: global batch 32768, 2 steps/epoch" in proc.stdout
+    assert "each of 512 data replicas reads 191 samples per epoch" in proc.stdout
     assert "forecast  rank 511 of 512" in proc.stdout and "(fits)" in proc.stdout
     last = forecast(tmp_path, 512, 511)
     # HSDP within a node: 8 shards of fp32 parameters (FSDP pads a shard by a row at most)
