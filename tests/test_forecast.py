@@ -4,7 +4,6 @@ group with the model on the meta device, and what each will hold per GPU, on thi
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import pytest
