@@ -66,18 +66,23 @@ def _headline(failure: ProcessFailure) -> str:
 
 
 def failure_report(failures: dict[int, ProcessFailure]) -> str:
-    """The first failing rank's error with its traceback, once; every other rank on one line ("the same error" when
-    it is): N ranks failing alike are one traceback to read, not N."""
+    """Every rank that failed by itself ("rank R failed, ..."), the first one's recorded traceback once, the others'
+    errors on one line ("the same error" when it is); ranks the launcher stopped after them, a line each. N ranks
+    failing alike are one traceback to read, not N."""
     causes = root_causes(failures)
-    first_rank, first = min(causes, key=lambda item: (item[1].timestamp, item[0]))
-    lines = [f"rank {first_rank} failed, {describe(first)}"]
-    for rank, failure in sorted(failures.items()):
-        if rank == first_rank:
+    lines, shown = [], None
+    for rank, failure in sorted(causes, key=lambda item: (item[1].timestamp, item[0])):
+        if shown is None and failure.message:
+            lines.append(f"rank {rank} failed, {describe(failure)}")
+            shown = _headline(failure)
             continue
         how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         headline = _headline(failure)
-        same = headline and headline == _headline(first)
-        lines.append(f"rank {rank}: {how}" + (": the same error" if same else f": {headline}" if headline else ""))
+        lines.append(f"rank {rank} failed, {how}" + (": the same error" if headline and headline == shown
+                                                       else f": {headline}" if headline else ""))
+    for rank, failure in sorted(failures.items()):
+        if all(rank != r for r, _ in causes):
+            lines.append(f"rank {rank}: stopped by the launcher after the failure ({failure.signal_name()})")
     return "\n".join(lines)
 
 

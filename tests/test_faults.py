@@ -138,7 +138,7 @@ def test_ranks_that_fail_alike_print_one_traceback_and_a_line_each(tmp_path):
     assert proc.stderr.count('raise ValueError("boom at the third step")') == 1
     first = int(proc.stderr.split("error: training failed.\nrank ")[1].split()[0])
     others = sorted({0, 1, 2} - {first})
-    assert all(f"rank {r}: exit code 1: the same error" in proc.stderr for r in others)
+    assert all(f"rank {r} failed, exit code 1: the same error" in proc.stderr for r in others)
 
 
 def test_a_rendezvous_port_in_use_is_refused_before_start(launch, tmp_path):
