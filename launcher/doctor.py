@@ -184,17 +184,12 @@ def check_run_dir(run_dir: Path, checkpoint_bytes: int, keep: int) -> list[Findi
 
 def checkpoint_bytes(cfg: Config) -> int:
     """The size of one checkpoint: the whole model and its optimizer state (built on the meta device)."""
-    from train.build import build_model, build_optimizer
+    from train.build import build_model
+    from train.forecast import optimizer_state_bytes
 
     with torch.device("meta"):
         model = build_model(cfg)
-    optimizer = build_optimizer(cfg.optim, model, cfg.optim.lr)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return params + sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                        if torch.is_tensor(v))
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + optimizer_state_bytes(cfg, model, cfg.optim.lr)
 
 
 def diagnose(cfg: Config, run_dir: Path) -> list[Finding]:

@@ -11,24 +11,11 @@ judged: only shape errors are reported.
 from __future__ import annotations
 
 import torch
-from torch.utils.data import IterableDataset, default_collate
 
 from launcher.schema import Config
 
 # What a forward that only fails because it ran on the meta device says.
 NOT_ON_META = ("meta", "Cannot copy out of meta", "data pointer", "item()", "is not implemented for")
-
-
-def _on_meta(batch, size: int):
-    """`batch` (a collated batch of one sample) with `size` as its batch dimension, on the meta device."""
-    if isinstance(batch, torch.Tensor):
-        shape = (size, *batch.shape[1:]) if batch.dim() else ()
-        return torch.empty(shape, dtype=batch.dtype, device="meta")
-    if isinstance(batch, dict):
-        return {k: _on_meta(v, size) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_on_meta(v, size) for v in batch)
-    return batch
 
 
 def _shapes(batch) -> str:
@@ -54,19 +41,14 @@ def _shape_keys(cfg: Config) -> str:
 
 
 def check_one_batch(cfg: Config, problems: list[str]) -> None:
-    from train.build import build_model, build_task, instantiate
+    from train.build import build_model, build_task
+    from train.data import build_dataset
+    from train.forecast import meta_batch
     from train.step import model_call
 
-    from train.data import TensorData
-
-    dataset = instantiate(cfg.data.train, **({"rank": 0, "world_size": 1} if _takes_rank(cfg) else {}))
-    if isinstance(dataset, TensorData):  # a built-in set, served from memory as (normalised images, labels)
-        one = (dataset.images[:1].float(), dataset.labels[:1])
-    elif isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+    batch = meta_batch(cfg, build_dataset(cfg.data.train))
+    if batch is None:
         return
-    else:
-        one = (instantiate(cfg.data.collate_fn) if cfg.data.collate_fn else default_collate)([dataset[0]])
-    batch = _on_meta(one, cfg.data.batch_size)
     task = build_task(cfg)
     try:
         with torch.device("meta"):
@@ -87,12 +69,3 @@ def check_one_batch(cfg: Config, problems: list[str]) -> None:
             f"({_shape_keys(cfg)}) its forward or the task's loss fails with {type(error).__name__}: {message[:400].rstrip('.')}. "
             f"Make the model's arguments match the data (e.g. its input size), or the data's shape keys match the model."
         )
-
-
-def _takes_rank(cfg: Config) -> bool:
-    import inspect
-
-    from hydra.utils import get_object
-
-    parameters = inspect.signature(get_object(cfg.data.train["_target_"])).parameters
-    return "rank" in parameters and "world_size" in parameters

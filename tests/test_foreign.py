@@ -11,17 +11,9 @@ import pytest
 import torch
 
 from conftest import FAST, REPO, final_checkpoint, read_metrics, run_cli
-from train.prepare_text import prepare, stdlib_sources
 
 NANOGPT = REPO / "tests" / "foreign" / "nanogpt"
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tokens")
-    prepare(stdlib_sources(300_000), directory)
-    return directory
 
 
 def nanogpt_run(corpus, run_dir, *overrides: str):
@@ -150,7 +142,6 @@ def hf_run(corpus, run_dir, experiment: str, *overrides: str, world: int = 2):
 def test_a_hugging_face_lm_under_fsdp_with_meta_init_and_checkpointing_equals_ddp(corpus, tmp_path):
     """Llama: tied embeddings, grouped-query attention, a rotary table computed at construction (GPT-2's meta build
     is checked against its full build in tests/test_meta_init.py)."""
-    pytest.importorskip("transformers")
     experiment = "hf_llama"
     runs = {"ddp": [], "fsdp": ["trainer.strategy=fsdp", "trainer.activation_checkpointing=true"]}
     for name, overrides in runs.items():
@@ -168,7 +159,6 @@ def test_a_hugging_face_lm_under_fsdp_with_meta_init_and_checkpointing_equals_dd
 
 def test_hugging_face_perplexity_at_world_size_3_equals_one_process(corpus, tmp_path):
     """{input_ids, labels} windows over 3 ranks (an unpadded share each), lr ~0: the same model evaluated."""
-    pytest.importorskip("transformers")
     results = {}
     for world in (1, 3):
         proc = hf_run(corpus, tmp_path / f"world{world}", "hf_gpt2", "trainer.max_steps=1", "optim.lr=1e-12",
@@ -180,7 +170,7 @@ def test_hugging_face_perplexity_at_world_size_3_equals_one_process(corpus, tmp_
 
 
 def test_a_hugging_face_lm_starts_from_a_save_pretrained_directory_and_from_an_export(corpus, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the test extra installs it: never skipped
     config = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
                                      eos_token_id=0)
     torch.manual_seed(7)

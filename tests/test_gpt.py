@@ -12,19 +12,10 @@ import torch
 from conftest import FAST, REPO, final_checkpoint, read_metrics, run_cli
 from train.gpt import GPT
 from train.step import SavedActivations
-from train.prepare_text import prepare, stdlib_sources
 from train.tokens import TokenWindows
 
 SMALL_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """~300 kB of this Python's standard library sources as byte tokens: 270k training tokens, 8.4k windows of 32."""
-    directory = tmp_path_factory.mktemp("tokens")
-    prepare(stdlib_sources(300_000), directory)
-    return directory
 
 
 @pytest.fixture(scope="module")

@@ -340,14 +340,16 @@ def cifar10(split: str, root: str = "data", image_size: int = 0) -> TensorData:
     return _pick(_load_cifar10(_config(name="cifar10", root=root)), split, image_size)
 
 
-def build_datasets(cfg: DataConfig, rank: int = 0, world_size: int = 1) -> Datasets:
-    """Instantiate data.train and data.eval (from the resolved snapshot). A target that takes `rank` and
-    `world_size` (an iterable data set that reads its own share) gets the data-parallel ones."""
+def build_dataset(node, rank: int = 0, world_size: int = 1):
+    """Instantiate one data set node from the resolved snapshot. A target that takes `rank` and `world_size` (an
+    iterable data set that reads its own share) gets the data-parallel ones."""
     from hydra.utils import get_object, instantiate
 
-    def build(node):
-        parameters = inspect.signature(get_object(node["_target_"])).parameters
-        given = {"rank": rank, "world_size": world_size}
-        return instantiate(node, **{k: v for k, v in given.items() if k in parameters})
+    parameters = inspect.signature(get_object(node["_target_"])).parameters
+    given = {"rank": rank, "world_size": world_size}
+    return instantiate(node, **{k: v for k, v in given.items() if k in parameters})
 
-    return Datasets(build(cfg.train), build(cfg.eval))
+
+def build_datasets(cfg: DataConfig, rank: int = 0, world_size: int = 1) -> Datasets:
+    """data.train and data.eval (see build_dataset)."""
+    return Datasets(build_dataset(cfg.train, rank, world_size), build_dataset(cfg.eval, rank, world_size))

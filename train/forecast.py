@@ -7,7 +7,7 @@ are the real ones at the target scale, for any model size, in seconds. What one 
 - parameters and gradients: this rank's shards (fsdp, hsdp) or the whole model (ddp), at their dtypes;
 - optimizer state: the configured optimizer takes one step on meta gradients, and its state is counted;
 - activations: what autograd keeps for the backward of one micro-batch (data.batch_size samples, the first
-  sample's shapes), counted by saved-tensor hooks on a meta forward and loss, with activation checkpointing
+  sample's shapes), counted by saved-tensor hooks (train.step.SavedActivations) on a meta forward and loss, with activation checkpointing
   as configured. scaled_dot_product_attention counts what a fused (flash) kernel keeps, not the T x T weights of
   the meta device's math path. Under bf16/fp16 autocast the activations are counted at fp32 and halved (autocast
   does not run on the meta device);
@@ -30,62 +30,42 @@ from torch import nn
 from train.build import add_import_path, build_model, build_optimizer, build_task, checkpoint_blocks, instantiate
 from train.config import TrainConfig, load_config
 from train.dist import DistEnv
-from train.optim import make_plan, replicas, train_size
-from train.step import model_call
+from train.data import build_dataset
+from train.parallel import local_bytes
+from train.optim import make_plan, replica_rank, replicas, train_size
+from train.step import SavedActivations, model_call
 
 MB = 2**20
 
 
-class MetaActivations:
-    """Bytes autograd keeps for the backward inside the `with`, on the meta device (each storage once, parameters
-    excluded): the same count as train.step.SavedActivations, keyed by storage identity (meta storages have no
-    addresses)."""
-
-    def __init__(self, model: nn.Module):
-        self.parameters = {_storage(p) for p in model.parameters()}
-        self.seen: set[int] = set()
-        self.bytes = 0
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage(tensor)
-        if key not in self.seen and key not in self.parameters:
-            self.seen.add(key)
-            self.bytes += tensor.untyped_storage().nbytes()
-        return tensor
-
-    def __enter__(self) -> MetaActivations:
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.hooks.__exit__(*exc)
+def optimizer_state_bytes(cfg: TrainConfig, model: nn.Module, lr: float) -> int:
+    """The configured optimizer's state for `model` (on meta: one step on zero gradients creates it, computing
+    nothing); leaves those gradients on the parameters."""
+    optimizer = build_optimizer(cfg.optim, model, lr)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    return sum(local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
 
-def _storage(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.untyped_storage()._cdata
-
-
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
-def _meta_batch(cfg: TrainConfig, dataset):
-    """One micro-batch of meta tensors with the first sample's shapes (see launcher/one_batch.py)."""
-    from torch.utils.data import default_collate
+def meta_batch(cfg: TrainConfig, dataset):
+    """One micro-batch of meta tensors: the first sample's shapes and dtypes, data.batch_size as the batch dimension
+    (no memory). None for a stream (an iterable data set is not started for this)."""
+    from torch.utils.data import IterableDataset, default_collate
 
     from train.data import TensorData
 
-    if isinstance(dataset, TensorData):
+    if isinstance(dataset, TensorData):  # a built-in set, served from memory as (normalised images, labels)
         one = (dataset.images[:1].float(), dataset.labels[:1])
+    elif isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+        return None
     else:
         one = (instantiate(cfg.data.collate_fn) if cfg.data.collate_fn else default_collate)([dataset[0]])
 
     def grow(value):
         if isinstance(value, torch.Tensor):
-            return torch.empty((cfg.data.batch_size, *value.shape[1:]), dtype=value.dtype, device="meta")
+            shape = (cfg.data.batch_size, *value.shape[1:]) if value.dim() else ()
+            return torch.empty(shape, dtype=value.dtype, device="meta")
         if isinstance(value, dict):
             return {k: grow(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
@@ -127,8 +107,8 @@ def activations(cfg: TrainConfig, dataset) -> int:
     if cfg.trainer.activation_checkpointing:
         checkpoint_blocks(model)
     task = build_task(cfg)
-    inputs, targets = task.split(_meta_batch(cfg, dataset))
-    with MetaActivations(model) as saved, _FusedAttention():
+    inputs, targets = task.split(meta_batch(cfg, dataset))
+    with SavedActivations(model) as saved, _FusedAttention():
         task.loss(model_call(task)(model, inputs), targets)
     return saved.bytes // 2 if cfg.trainer.precision in ("bf16", "fp16") else saved.bytes
 
@@ -143,27 +123,24 @@ def forecast(cfg: TrainConfig, rank: int, world: int) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         env = DistEnv(rank=rank, local_rank=rank % per_node, world_size=world, local_world_size=per_node)
-        dataset = instantiate(cfg.data.train)
+        dataset = build_dataset(cfg.data.train, replica_rank(cfg, env), replicas(cfg, world))
         plan = make_plan(cfg, world, train_size(dataset, cfg))
         with torch.device("meta"):
             model = build_model(cfg)
+        parameters = sum(p.numel() for p in model.parameters())
         largest_unit = 0
         if cfg.trainer.strategy == "fsdp":
             largest_unit = largest_gathered(cfg, shard_units(model))
             strategy = build_strategy(model, cfg.trainer, env, torch.device("cpu"))  # the real mesh and sharding
             model = strategy.model
-        params = sum(_local_bytes(p) for p in model.parameters())
-        optimizer = build_optimizer(cfg.optim, model, plan.lr)
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        optimizer.step()  # creates the state (on meta: nothing computed)
-        state = sum(_local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-        grads = sum(_local_bytes(p.grad) for p in model.parameters())
+        params = sum(local_bytes(p) for p in model.parameters())
+        state = optimizer_state_bytes(cfg, model, plan.lr)
+        grads = sum(local_bytes(p.grad) for p in model.parameters())
         return {
             "rank": rank, "world_size": world, "strategy": cfg.trainer.strategy, "replicas": replicas(cfg, world),
             "global_batch": plan.global_batch, "steps_per_epoch": plan.steps_per_epoch, "total_steps": plan.total_steps,
             "lr": plan.lr, "samples_per_replica": -(-train_size(dataset, cfg) // replicas(cfg, world)),
-            "parameters": sum(p.numel() for p in build_full_counts(cfg)), "parameter_bytes": params,
+            "parameters": parameters, "parameter_bytes": params,
             "gradient_bytes": grads, "optimizer_bytes": state, "activation_bytes": activations(cfg, dataset),
             "gathered_bytes": 2 * largest_unit if cfg.trainer.strategy == "fsdp" else 0,
             "mesh": _mesh(cfg, env),
@@ -193,11 +170,6 @@ def _mesh(cfg: TrainConfig, env: DistEnv) -> str:
         return f"{env.world_size} replicas"
     copies = replica_groups(cfg.trainer, env)
     return f"{copies} copies x {env.world_size // copies} shards" if copies > 1 else f"{env.world_size} shards"
-
-
-def build_full_counts(cfg: TrainConfig):
-    with torch.device("meta"):
-        return list(build_model(cfg).parameters())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -134,5 +134,21 @@ def build_schedule(node, plan: Plan):
     return factor
 
 
+def schedule_warning(factor, plan) -> str:
+    """A line when the run stops where its lr schedule did not mean it to: inside the warmup, or before the end of
+    the decay the schedule was computed for (a short run of a long schedule)."""
+    warmup, end = getattr(factor, "warmup", 0), getattr(factor, "total", plan.total_steps)
+    at_stop = factor(max(plan.stop_step - 1, 0))
+    if plan.stop_step <= warmup:
+        return (f"\nwarning: the run stops at step {plan.stop_step}, inside the lr warmup of {warmup} steps: the lr never "
+                f"reaches its peak (it ends at {at_stop:.0%} of it). Give a shorter warmup "
+                f"(optim.schedule.warmup_steps=N), or train longer.")
+    if plan.stop_step < end and getattr(factor, "name", "") == "cosine":
+        return (f"\nwarning: the run stops at step {plan.stop_step} of the {end} steps its lr decay spans: the lr at the "
+                f"stop is {at_stop:.0%} of the peak, not the decay's end. For a schedule that ends with the run set "
+                f"optim.schedule.decay_steps={plan.stop_step} (or trainer.epochs).")
+    return ""
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, node, plan: Plan):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, build_schedule(node, plan))

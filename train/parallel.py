@@ -98,12 +98,12 @@ class Strategy:
 
     def memory(self, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
         """Bytes of parameters and of optimizer state held by this rank (its shards only)."""
-        params = sum(_local_bytes(p) for p in self.model.parameters())
-        state = sum(_local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+        params = sum(local_bytes(p) for p in self.model.parameters())
+        state = sum(local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
         return params, state
 
 
-def _local_bytes(tensor: torch.Tensor) -> int:
+def local_bytes(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor (fsdp): this rank's shard
     return local.numel() * local.element_size()
 

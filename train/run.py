@@ -35,7 +35,7 @@ from train.metrics import build_metrics
 from train.weights import read_weights
 from train.meta_init import Unsupported, build_on_meta, materialise
 from train.loader import LoaderBatches, loader_eval_batches
-from train.optim import Plan, build_scheduler, make_plan, replica_rank, replicas, train_size
+from train.optim import Plan, build_scheduler, make_plan, replica_rank, replicas, schedule_warning, train_size
 from train.streams import StreamBatches, stream_eval_batches
 from train.throughput import flops_per_token, peak_tflops
 from train.parallel import Strategy, memory_format, place
@@ -245,22 +245,6 @@ def describe_plan(run: Run) -> str:
     if run.resumed:
         text += f"; resumed at step {run.progress.step}"
     return text + schedule_warning(run.scheduler.lr_lambdas[0], plan)
-
-
-def schedule_warning(factor, plan) -> str:
-    """A line when the run stops where its lr schedule did not mean it to: inside the warmup, or before the end of
-    the decay the schedule was computed for (a short run of a long schedule)."""
-    warmup, end = getattr(factor, "warmup", 0), getattr(factor, "total", plan.total_steps)
-    at_stop = factor(max(plan.stop_step - 1, 0))
-    if plan.stop_step <= warmup:
-        return (f"\nwarning: the run stops at step {plan.stop_step}, inside the lr warmup of {warmup} steps: the lr never "
-                f"reaches its peak (it ends at {at_stop:.0%} of it). Give a shorter warmup "
-                f"(optim.schedule.warmup_steps=N), or train longer.")
-    if plan.stop_step < end and getattr(factor, "name", "") == "cosine":
-        return (f"\nwarning: the run stops at step {plan.stop_step} of the {end} steps its lr decay spans: the lr at the "
-                f"stop is {at_stop:.0%} of the peak, not the decay's end. For a schedule that ends with the run set "
-                f"optim.schedule.decay_steps={plan.stop_step} (or trainer.epochs).")
-    return ""
 
 
 def log_memory(run: Run, metrics, console, step: int, activations: int) -> None:

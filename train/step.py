@@ -96,19 +96,20 @@ class ForwardClock:
 
 class SavedActivations:
     """Bytes autograd keeps for the backward pass inside the `with` (each storage once, the model's parameters
-    excluded): the activation memory of a step, on any device. A checkpointed block keeps only its input."""
+    excluded): the activation memory of a step, on any device, the meta device included (a storage is known by its
+    identity, not its address, which meta storages lack). A checkpointed block keeps only its input."""
 
     def __init__(self, model: torch.nn.Module):
-        self.parameters = {p.untyped_storage().data_ptr() for p in model.parameters() if not hasattr(p, "to_local")}
+        self.parameters = {_storage(p) for p in model.parameters() if not hasattr(p, "to_local")}
         self.seen: set[int] = set()
         self.bytes = 0
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self.seen and storage.data_ptr() not in self.parameters:
-            self.seen.add(storage.data_ptr())
-            self.bytes += storage.nbytes()
+        key = _storage(tensor)
+        if key not in self.seen and key not in self.parameters:
+            self.seen.add(key)
+            self.bytes += tensor.untyped_storage().nbytes()
         return tensor
 
     def __enter__(self) -> SavedActivations:
@@ -117,6 +118,10 @@ class SavedActivations:
 
     def __exit__(self, *exc) -> None:
         self.hooks.__exit__(*exc)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
 
 
 class Meter:
