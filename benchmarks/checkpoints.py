@@ -25,7 +25,7 @@ from datetime import date
 from pathlib import Path
 
 from benchmarks.overhead import REPO, machine, run
-from train.metrics import read_records
+from train.observe.metrics import read_records
 
 
 @dataclass

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 
 from benchmarks.overhead import REPO, machine, run
 from train.data import synthetic
-from train.metrics import read_records
+from train.observe.metrics import read_records
 
 
 class TensorSamples(Dataset):

@@ -22,7 +22,7 @@ from datetime import date
 from pathlib import Path
 
 from benchmarks.overhead import REPO, machine, run
-from train.metrics import read_records
+from train.observe.metrics import read_records
 
 
 def ours(run_dir: Path, common: list[str], steps: int, warmup: int, log_every: int) -> dict:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from train.metrics import read_records
+from train.observe.metrics import read_records
 
 REPO = Path(__file__).resolve().parent.parent
 

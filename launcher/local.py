@@ -30,7 +30,7 @@ from launcher.backend import Backend, check_run_dir_free
 from launcher.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.schema import Config
 from train.dist import PARENT_ENV, available_cores
-from train.status import write_status
+from train.observe.status import write_status
 
 
 def procs_per_node(cfg: Config) -> int:

@@ -22,7 +22,7 @@ from launcher.lease import RunDirBusy
 from launcher.summary import summary
 from launcher.validate import ConfigError, typed_config, validate
 from train.config import CONFIG_FILE, flatten
-from train.status import read_status, write_status
+from train.observe.status import read_status, write_status
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 

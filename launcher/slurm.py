@@ -34,7 +34,7 @@ from launcher.backend import Backend, check_run_dir_free
 from launcher.lease import Lease, Renewer, flock, read_lease, write_lease
 from launcher.local import procs_per_node
 from launcher.schema import Config
-from train.status import read_status, write_status
+from train.observe.status import read_status, write_status
 
 JOBS_FILE = "jobs.jsonl"
 ENV_CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from launcher.slurm import recorded_jobs
-from train.metrics import read_records
-from train.status import read_status
+from train.observe.metrics import read_records
+from train.observe.status import read_status
 
 SUMMARY_FILE = "summary.csv"
 COLUMNS = ("point", "status", "overrides", "global_batch", "final_acc", "best_acc", "final_loss", "samples_per_s",

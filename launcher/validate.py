@@ -20,7 +20,7 @@ from launcher.one_batch import check_one_batch
 from launcher.schema import Config
 from train.checkpoint import checkpoint_dir, committed, refuse_fresh_start_over
 from train.config import CHECKPOINT_FORMATS, CONFIG_FILE, checkpoint_format
-from train.console import PROGRESS_MODES
+from train.observe.console import PROGRESS_MODES
 from launcher.targets import check_targets
 from train.data import DatasetMissing, prepare
 from train.dist import resolve_backend

@@ -97,7 +97,7 @@ def wait_for(condition, timeout: float, what: str, poll: float = 0.05) -> None:
 
 def logged_steps(run_dir: Path) -> list[int]:
     """Steps logged so far by a run that may be writing right now."""
-    from train.metrics import read_records
+    from train.observe.metrics import read_records
 
     return [r["step"] for r in read_records(run_dir)]
 

@@ -26,26 +26,26 @@ from train.batches import TrainBatches, eval_batches, stage
 from train.build import add_import_path, build_model, build_optimizer, build_task, checkpoint_blocks
 from train.checkpoint import CheckpointManager, checkpoint_dir, refuse_fresh_start_over
 from train.config import TrainConfig, checkpoint_format, load_config, to_dict
-from train.console import build_console
+from train.observe.console import build_console
 from train.data import Datasets, TensorData, build_datasets
 from train.dist import DistEnv
 from train.evaluate import evaluate
 from train.host import freeze_imported_objects, keep_freed_memory
-from train.metrics import build_metrics
+from train.observe.metrics import build_metrics
 from train.weights import read_weights
 from train.meta_init import Unsupported, build_on_meta, materialise
 from train.loader import LoaderBatches, loader_eval_batches
 from train.optim import Plan, build_scheduler, make_plan, replica_rank, replicas, schedule_warning, train_size
 from train.streams import StreamBatches, stream_eval_batches
-from train.throughput import flops_per_token, peak_tflops
+from train.observe.throughput import flops_per_token, peak_tflops
 from train.parallel import Strategy, memory_format, place
 from train.strategies import build_strategy
 from train.state import Progress, build_state, gather_rng, restore_state, seed_rank, sharded_parts
-from train.status import write_status
+from train.observe.status import write_status
 from train.step import (ForwardClock, Meter, SavedActivations, build_autocast, set_matmul_precision, train_step,
                         uses_tf32)
 from train.stopping import StopRequest
-from train.watchdog import Watchdog
+from train.observe.watchdog import Watchdog
 
 log = logging.getLogger("train")
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from train.config import TrainerConfig
 from train.parallel import Strategy, call_model
-from train.throughput import token_figures
+from train.observe.throughput import token_figures
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -31,14 +31,14 @@ if os.environ.get("FAULT") in ("slow_io", "stuck_io", "trace_io") \
     import threading
 
     import train.checkpoint.io
-    import train.watchdog
+    import train.observe.watchdog
 
     fault, first_attempt = os.environ["FAULT"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     delay = int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000 if fault == "slow_io" else 0
     stuck = fault == "stuck_io" and first_attempt
     if fault != "trace_io":
         train.checkpoint.io.CHUNK_BYTES = 1024
-    watch_io = train.watchdog.Watchdog.io
+    watch_io = train.observe.watchdog.Watchdog.io
 
     @contextlib.contextmanager
     def slow_io(self, what):
@@ -58,7 +58,7 @@ if os.environ.get("FAULT") in ("slow_io", "stuck_io", "trace_io") \
                     threading.Event().wait(delay * moved / 1024)
             yield slow
 
-    train.watchdog.Watchdog.io = slow_io
+    train.observe.watchdog.Watchdog.io = slow_io
 
 elif os.environ.get("FAULT") == "slow_commit" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0"):
     import threading

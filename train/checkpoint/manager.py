@@ -4,7 +4,7 @@ prunes; the formats (file.py, dcp.py) write and read; this module runs the colle
 
 Every wait on other ranks' I/O runs inside `waiting`: the training watchdog pauses and the gloo group is patient,
 while each rank's own reads and writes are watched stream by stream against checkpoint.io_timeout_s
-(train/watchdog.py). A slow file system is therefore never a hang, and a stuck one still is, on the rank whose
+(train/observe/watchdog.py). A slow file system is therefore never a hang, and a stuck one still is, on the rank whose
 stream stopped: its exit ends the others' waits.
 """
 
