@@ -25,7 +25,7 @@ TARGETS = {
     "optim.schedule": (True, "schedule"),  # _partial_: called with steps_per_epoch= and total_steps=
 }
 SCHEDULE_ARGS = {"steps_per_epoch": 100, "total_steps": 1000}  # a plausible plan to try a schedule on
-PASSED = {"schedule": SCHEDULE_ARGS, "data": {"rank": 0, "world_size": 1}}  # what the trainer adds to the config's
+PASSED = {"schedule": SCHEDULE_ARGS, "data": {"rank": 0, "world_size": 1}, "tracker": {"run": None}}  # what the trainer adds to the config's
 
 
 def _get(cfg, dotted: str):
@@ -33,6 +33,10 @@ def _get(cfg, dotted: str):
     for part in dotted.split("."):
         node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
     return node
+
+
+PIP_NAMES = {"mlflow": "mlflow-skinny", "sqlalchemy": "sqlalchemy alembic", "sklearn": "scikit-learn",
+             "PIL": "pillow", "yaml": "pyyaml"}  # import name -> what to install, where they differ
 
 
 def locate(path: str):
@@ -44,7 +48,9 @@ def locate(path: str):
             obj = importlib.import_module(module_name)
         except ModuleNotFoundError as error:
             if error.name is not None and not module_name.startswith(error.name):
-                raise ImportError(f"importing {module_name} failed: {error}") from error  # a missing dependency inside
+                # a missing dependency inside
+                raise ImportError(f"importing {module_name} failed: {error} (install it: pip install "
+                                  f"{PIP_NAMES.get(error.name, error.name)})") from error
             continue
         for attribute in parts[cut:]:
             if not hasattr(obj, attribute):
@@ -147,3 +153,6 @@ def check_targets(cfg, problems: list[str]) -> None:
         check_target(key, node, problems, call)
         if call == "schedule" and len(problems) == before:
             check_schedule(node, problems)
+    for name, node in (_get(cfg, "loggers") or {}).items():  # experiment trackers: built with run=
+        if node is not None:
+            check_target(f"loggers.{name}", node, problems, "tracker")

@@ -124,6 +124,18 @@ def test_a_misspelt_model_argument_is_named_with_the_fix(tmp_path):
     assert "model.widht: train.models.cnn has no argument 'widht' (did you mean model.width?)" in message
 
 
+def test_a_tracker_is_checked_like_any_target(tmp_path):
+    message = problems("+logger=wandb", "+loggers.wandb.projct=x", "+loggers.mine._target_=my_trackers.Tracker",
+                       run_dir=tmp_path)
+    assert "loggers.wandb.projct: train.observe.wandb_tracker.WandB has no argument 'projct' (did you mean " \
+           "loggers.wandb.project?)" in message
+    assert "loggers.mine._target_=my_trackers.Tracker cannot be imported: no module 'my_trackers'" in message
+    cfg = typed("+logger=[wandb,mlflow]", "~loggers.tensorboard")
+    cfg.data.root = str(tmp_path / "data")
+    validate(cfg, tmp_path, cuda_devices=0)  # both installed (the test extra), the default arguments fit
+    assert set(cfg.loggers) == {"wandb", "mlflow"}
+
+
 def test_a_bad_lr_schedule_is_refused_with_the_fix(tmp_path):
     assert "optim.schedule: optim.schedule.name='linear' is not a schedule: pick one of cosine, step, constant." in \
         problems("optim.schedule.name=linear", run_dir=tmp_path)

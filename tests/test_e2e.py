@@ -56,6 +56,10 @@ def test_default_job_trains_to_90_percent_with_checkpoints_and_tensorboard(launc
     tags = set(events.Tags()["scalars"])
     for tag in ("train/loss", "train/lr", "train/samples_per_s", "train/step_time_s", "train/data_time_s", "eval/loss", "eval/acc"):
         assert tag in tags
+    # Curves are what a person reads as one, loss and accuracy first; constants and tables are text.
+    assert sorted(tags)[:2] == ["eval/acc", "eval/loss"]
+    assert not [t for t in tags if t.startswith(("checkpoint/", "memory/")) or t.endswith(("/epoch", "/restarts", "_rank"))]
+    assert {"plan/text_summary", "memory/text_summary"} <= set(events.Tags()["tensors"])
     tb_acc = [(e.step, e.value) for e in events.Scalars("eval/acc")]
     assert [s for s, _ in tb_acc] == [e["step"] for e in evals]
     assert abs(tb_acc[-1][1] - evals[-1]["acc"]) < 1e-6

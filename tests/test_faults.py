@@ -3,8 +3,10 @@ resuming at another world size. Faults are injected by tests/faults/sitecustomiz
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +15,7 @@ import sys
 import pytest
 import torch
 
+import tracker_records
 from conftest import FAST, final_checkpoint, fault_env, logged_steps, read_metrics, run_cli, wait_for
 from test_ddp_identity import IDENTITY, RESUME
 
@@ -34,12 +37,17 @@ def assert_same_weights(a: dict, b: dict) -> None:
         assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs"
 
 
+# The second run also feeds W&B (offline) and MLflow (a local SQLite store) through the restart.
+TRACKERS = ["+logger=[wandb,mlflow]", "loggers.wandb.mode=offline"]
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(launch, tmp_path, uninterrupted, seed):
     rng = random.Random(seed)
     rank, step = rng.randrange(2), rng.randint(2, 30)
     run_dir = tmp_path / "run"
-    proc = launch(*FAULTY, f"hydra.run.dir={run_dir}", env=fault_env("kill", rank, step))
+    trackers = [*TRACKERS, f"loggers.mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"] if seed == 1 else []
+    proc = launch(*FAULTY, *trackers, f"hydra.run.dir={run_dir}", env=fault_env("kill", rank, step))
     assert proc.returncode == 0
     assert f"rank {rank} failed, killed by SIGKILL" in proc.stderr  # the cause, before the restart
     assert "restarting the workers (restart 1 of 2)" in proc.stderr
@@ -50,6 +58,35 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(laun
     assert train_steps == sorted(set(train_steps))  # the replayed steps were not logged twice
     last_train = [r for r in records if r["kind"] == "train"][-1]
     assert last_train["step"] == 30 and last_train["restarts"] == 1  # the count is in the metrics
+    if trackers:
+        resumed = int(re.search(r"resumed at step (\d+)", proc.stdout).group(1))
+        assert_trackers_hold_the_run(run_dir, records, resumed, step)
+
+
+def assert_trackers_hold_the_run(run_dir, records: list[dict], resumed: int, killed: int) -> None:
+    """W&B and MLflow, read back from their own stores, hold every step of metrics.jsonl once, through the restart.
+    Steps the killed attempt logged after its checkpoint keep that attempt's values there (they cannot be erased);
+    metrics.jsonl has the replayed ones, whose averaging window started at the checkpoint."""
+    plan = json.loads((run_dir / "plan.json").read_text())
+    mlflow_state = json.loads((run_dir / "trackers" / "mlflow.json").read_text())
+    client, mlflow_run = tracker_records.mlflow_run(mlflow_state["tracking_uri"], mlflow_state["run_id"])
+    wandb = tracker_records.wandb_run(run_dir)
+    assert len(list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == 2  # one W&B run, continued
+    for kind, key in (("train", "loss"), ("train", "lr"), ("eval", "acc"), ("eval", "loss")):
+        expected = [(r["step"], r[key]) for r in records if r["kind"] == kind]
+        for curve in (tracker_records.mlflow_curve(client, mlflow_state["run_id"], f"{kind}/{key}"),
+                      tracker_records.wandb_curve(wandb, f"{kind}/{key}")):
+            assert [s for s, _ in curve] == [s for s, _ in expected], f"{kind}/{key}: steps differ"
+            for (s, value), (_, want) in zip(curve, expected):
+                if not resumed < s < killed:
+                    assert value == pytest.approx(want, rel=1e-6), f"{kind}/{key} at step {s}"
+    # The same hyperparameters (config and plan) and identity in both; notes as text.
+    assert mlflow_run.data.params["optim.lr"] == "0.003" and wandb["config"]["optim.lr"] == 0.003
+    assert mlflow_run.data.params["plan.global_batch"] == str(plan["global_batch"]) == str(wandb["config"]["plan.global_batch"])
+    assert mlflow_run.data.tags["identity"] == wandb["config"]["identity"]
+    assert f"resumed at step {resumed}" in mlflow_run.data.tags["note.resume"]
+    assert "optimizer MB" in mlflow_run.data.tags["note.memory"]
+    assert not any(tag.startswith(("checkpoint/", "memory/")) or tag.endswith("epoch") for tag in mlflow_run.data.metrics)
 
 
 def kill_leftovers(proc: subprocess.Popen, run_dir) -> None:
@@ -95,6 +132,16 @@ def test_a_hanging_rank_is_reported_by_rank_and_the_group_restarts(launch, tmp_p
     assert "faulty_train_step" in proc.stderr  # where it hung, from the stack dump
     assert "rank 1 failed, exit code 70" in proc.stderr
     assert final_checkpoint(run_dir)["step"] == 24
+
+    # Both ranks wrote where they were; the summary names the rank the other waits for, and its stack.
+    [incident] = [p for p in (run_dir / "hang").iterdir() if p.is_dir()]
+    reports = {r: json.loads((incident / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert reports[1]["step"] == 4 and "faulty_train_step" in reports[1]["where"]
+    assert reports[1]["collectives"] < reports[0]["collectives"]  # rank 0 went on into step 5's all-reduce
+    summary = (incident / "summary.txt").read_text()
+    assert "2 of 2 ranks answered" in summary and "behind: rank 1 (" in summary
+    assert "stacks of rank 1:" in summary and "faulty_train_step" in summary.split("stacks of rank 1:")[1]
+    assert "hang report:" in proc.stderr
 
 
 def test_a_rank_that_fails_at_start_up_ends_the_job_with_its_error(launch, tmp_path):

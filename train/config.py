@@ -143,6 +143,10 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # Experiment trackers, fed the same curves, notes and hyperparameters by rank 0: name -> a node with a _target_
+    # built with run= (train.observe.trackers). conf/config.yaml has TensorBoard; conf/logger/*.yaml add one
+    # (+logger=wandb, +logger=[wandb,mlflow]); ~loggers.tensorboard drops it.
+    loggers: dict[str, Any] = field(default_factory=dict)
     # Where the user's own modules are imported from (the launch directory, PYTHONPATH): appended to sys.path
     # of every worker, locally and on SLURM, after this package's (the launcher fills it in).
     import_path: list[str] = field(default_factory=list)

@@ -25,13 +25,16 @@ from train import dist as distributed
 from train.batches import TrainBatches, eval_batches, stage
 from train.build import add_import_path, build_model, build_optimizer, build_task, checkpoint_blocks
 from train.checkpoint import CheckpointManager, checkpoint_dir, refuse_fresh_start_over
-from train.config import TrainConfig, checkpoint_format, load_config, to_dict
+from train.config import TrainConfig, checkpoint_format, flatten, load_config, to_dict
 from train.observe.console import build_console
 from train.data import Datasets, TensorData, build_datasets
 from train.dist import DistEnv
 from train.evaluate import evaluate
 from train.host import freeze_imported_objects, keep_freed_memory
+from train.identity import run_identity
+from train.observe.hang import HangReports, flight_recorder_env
 from train.observe.metrics import build_metrics
+from train.observe.trackers import TrackedRun
 from train.weights import read_weights
 from train.meta_init import Unsupported, build_on_meta, materialise
 from train.loader import LoaderBatches, loader_eval_batches
@@ -74,8 +77,11 @@ def main(config_path: str | Path) -> Outcome:
     device = distributed.pick_device(env, cfg.trainer.gpus)
     set_matmul_precision(cfg.trainer.precision, cfg.trainer.tf32, device)
     backend = distributed.resolve_backend(cfg.trainer.backend, cfg.trainer.gpus)
+    if backend == "nccl":  # before the process group exists: NCCL reads them once
+        os.environ.update(flight_recorder_env(config_path.parent))
     distributed.init_process_group(env, backend, device, cfg.trainer.timeout_s)
-    watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s, cfg.checkpoint.io_timeout_s)  # loading is watched too
+    reports = HangReports(config_path.parent, env.rank, env.world_size)
+    watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s, cfg.checkpoint.io_timeout_s, reports)  # loading too
     run = None
     try:
         control = distributed.control_group(backend)
@@ -224,6 +230,15 @@ def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
         metrics.log("checkpoint", step, {"stall_s": time.perf_counter() - started, "async": float(run.ckpt.background is not None)})
 
 
+def tracked_run(run: Run) -> TrackedRun:
+    """What the trackers are told: where the run is, where it starts, its config and plan, what defines it."""
+    config = to_dict(run.cfg)
+    # Not the trackers' own settings: W&B reads a `wandb...` key of its config as one of its settings.
+    hparams = {k: v for k, v in config.items() if k != "loggers"}
+    return TrackedRun(run.run_dir, run.cfg.name, run.progress.step, flatten({**hparams, "plan": run.plan.to_dict()}),
+                      run_identity(config))
+
+
 def describe_schedule(run: Run) -> str:
     factor = run.scheduler.lr_lambdas[0]
     own_repr = not isinstance(factor, types.FunctionType) and type(factor).__repr__ is not object.__repr__
@@ -258,6 +273,7 @@ def log_memory(run: Run, metrics, console, step: int, activations: int) -> None:
     table = [torch.empty_like(mine) for _ in range(run.env.world_size)]
     torch.distributed.all_gather(table, mine)
     values, parts = {}, []
+    lines = ["rank  parameters MB  optimizer MB  activations MB  startup host peak MB" + ("  GPU peak MB" if peak else "")]
     for rank, row in enumerate(table):
         params_mb, state_mb, activations_mb, peak_mb, startup_mb = (v / 2**20 for v in row.tolist())
         values.update({f"rank{rank}_param_mb": params_mb, f"rank{rank}_optim_mb": state_mb,
@@ -266,7 +282,10 @@ def log_memory(run: Run, metrics, console, step: int, activations: int) -> None:
             values[f"rank{rank}_peak_mb"] = peak_mb
         parts.append(f"rank {rank} {params_mb:.1f} + {state_mb:.1f} + {activations_mb:.1f} MB"
                      + (f" (peak {peak_mb:.0f} MB)" if peak else ""))
+        lines.append(f"{rank:>4}  {params_mb:13.1f}  {state_mb:12.1f}  {activations_mb:14.1f}  {startup_mb:20.1f}"
+                     + (f"  {peak_mb:11.0f}" if peak else ""))
     metrics.log("memory", step, values)
+    metrics.note("memory", "\n".join(lines), step)
     checkpointing = ", activation checkpointing" if run.cfg.trainer.activation_checkpointing else ""
     console.print(f"memory per rank, parameters + optimizer state + activations of a step ({run.cfg.trainer.strategy}"
                   f"{checkpointing}): {', '.join(parts)}")
@@ -342,14 +361,17 @@ def fit(run: Run) -> Outcome:
     cfg, plan, progress, env, watchdog = run.cfg, run.plan, run.progress, run.env, run.watchdog
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     console = build_console(env, cfg.trainer.progress, plan.stop_step, progress.step)
-    metrics = build_metrics(env, run.run_dir, progress.step, hparams={**to_dict(cfg), "plan": plan.to_dict()})
+    metrics = build_metrics(env, cfg.loggers, tracked_run(run))
     hosts = distributed.all_gather_objects(socket.gethostname())  # where each rank runs, for the record
     if env.is_main:
         record = {**plan.to_dict(), "hosts": hosts, "threads_per_process": torch.get_num_threads()}
         (run.run_dir / PLAN_FILE).write_text(json.dumps(record, indent=2) + "\n")
     console.print(describe_plan(run))
+    metrics.note("plan", describe_plan(run), progress.step)
     if run.resumed:
         metrics.log("checkpoint", progress.step, {"load_s": progress.load_s})
+        metrics.note("resume", f"resumed at step {progress.step} (checkpoint loaded in {progress.load_s:.1f} s)"
+                     + (f", after {restarts} restarts of the process group" if restarts else ""), progress.step)
     stop = StopRequest(cfg.trainer.stop_signals, cfg.trainer.stop_check_every, run.control)
     batches = run.batches
     # Not under compile: recording events inside the compiled forward would split its graph.

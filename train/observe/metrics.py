@@ -1,8 +1,13 @@
-"""Rank 0's metric sinks: TensorBoard event files in RUN_DIR/tb and one JSON object per line in metrics.jsonl.
+"""Rank 0's metrics: one JSON object per line in metrics.jsonl (every value), and the same curves and notes in
+every configured tracker (TensorBoard by default; W&B, MLflow: train/observe/trackers.py).
 
 Other ranks get a NullMetrics that accepts the same calls and writes nothing, so the loop never asks its rank.
-On resume from step S, everything logged after S by the interrupted run is dropped (TensorBoard's purge_step,
-and a rewrite of metrics.jsonl), so the curves continue without repeated or orphaned steps.
+On resume from step S, everything logged after S by the interrupted run is dropped from metrics.jsonl (and from
+the trackers that can drop it), so the curves continue without repeated or orphaned steps.
+
+What is a curve: what changes and is read as one line over the steps (loss, metrics, lr, throughput, step and data
+times, checkpoint stalls). What is not: constants and counts that are read as text (the memory table, a resume and
+its load time, restarts, profiled steps: notes) or that the config already holds (whether saves are async).
 """
 
 from __future__ import annotations
@@ -12,40 +17,57 @@ import os
 import time
 from pathlib import Path
 
-from train.config import flatten
 from train.dist import DistEnv
+from train.observe.trackers import TrackedRun
 
 METRICS_FILE = "metrics.jsonl"
-TB_DIR = "tb"
+NOT_CURVES = ("epoch", "restarts", "async", "load_s", "profiled")  # in metrics.jsonl; notes or hparams elsewhere
+
+
+def curves(kind: str, values: dict[str, float]) -> dict[str, float]:
+    """The tags and values a tracker draws as curves from one metrics record (the same in every tracker)."""
+    if kind == "checkpoint":  # how long training stood still for a save: read beside the step time
+        return {"train/checkpoint_stall_s": values["stall_s"]} if "stall_s" in values else {}
+    if kind not in ("train", "eval"):  # memory: a table per attempt, a note
+        return {}
+    return {f"{kind}/{key}": value for key, value in values.items()
+            if key not in NOT_CURVES and not key.endswith("_slowest_rank")}  # a rank's number is no curve
 
 
 class Metrics:
-    def __init__(self, run_dir: Path, start_step: int, hparams: dict, hparam_metrics: tuple[str, ...]):
-        from torch.utils.tensorboard import SummaryWriter
-
+    def __init__(self, run_dir: Path, start_step: int, trackers: list):
         self.path = run_dir / METRICS_FILE
         _truncate_jsonl(self.path, start_step)
-        self.writer = SummaryWriter(str(run_dir / TB_DIR), purge_step=start_step + 1)
-        if start_step == 0:
-            self._write_hparams(hparams, hparam_metrics)
+        self.trackers = trackers
+        self._catch_up(start_step)
         self.file = open(self.path, "a", buffering=1)
 
-    def _write_hparams(self, hparams: dict, metric_tags: tuple[str, ...]) -> None:
-        # Written into this run's own event file (SummaryWriter.add_hparams would open a second run directory).
-        from torch.utils.tensorboard.summary import hparams as hparams_summary
-
-        # TensorBoard takes numbers, strings and bools; lists become strings.
-        scalars = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flatten(hparams).items()}
-        for summary in hparams_summary(scalars, {tag: 0.0 for tag in metric_tags}):
-            self.writer.file_writer.add_summary(summary)
+    def _catch_up(self, start_step: int) -> None:
+        """A tracker that holds less than the run's records up to the resumed step (it lost what a crash did not
+        let it write, or was added on resume) gets them from metrics.jsonl."""
+        behind = [t for t in self.trackers if t.holds_through < start_step]
+        for record in read_records(self.path.parent) if behind else ():
+            values = {k: v for k, v in record.items() if k not in ("kind", "step", "time")}
+            drawn = curves(record["kind"], values)
+            for tracker in behind:
+                if drawn and tracker.holds_through < record["step"]:
+                    tracker.scalars(drawn, record["step"])
 
     def log(self, kind: str, step: int, values: dict[str, float]) -> None:
-        for key, value in values.items():
-            self.writer.add_scalar(f"{kind}/{key}", value, step)
         self.file.write(json.dumps({"kind": kind, "step": step, "time": time.time(), **values}) + "\n")
+        drawn = curves(kind, values)
+        for tracker in self.trackers:
+            if drawn and step > tracker.holds_through:  # what the tracker holds from an interrupted attempt stays
+                tracker.scalars(drawn, step)
+
+    def note(self, tag: str, text: str, step: int) -> None:
+        """Text a person reads once (a table, a resume), in every tracker."""
+        for tracker in self.trackers:
+            tracker.text(tag, text, step)
 
     def close(self) -> None:
-        self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()
         self.file.close()
 
 
@@ -53,14 +75,22 @@ class NullMetrics:
     def log(self, kind: str, step: int, values: dict[str, float]) -> None:
         pass
 
+    def note(self, tag: str, text: str, step: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
 
-def build_metrics(env: DistEnv, run_dir: Path, start_step: int, hparams: dict) -> Metrics | NullMetrics:
+def build_metrics(env: DistEnv, loggers: dict, run: TrackedRun) -> Metrics | NullMetrics:
+    """Rank 0's metrics.jsonl and trackers (config `loggers`: name -> node with a _target_, built with run=)."""
     if not env.is_main:
         return NullMetrics()
-    return Metrics(run_dir, start_step, hparams, hparam_metrics=("eval/acc", "eval/loss"))
+    from train.build import instantiate
+
+    # Partial, then called: Hydra would turn the TrackedRun passed through instantiate into a dict.
+    trackers = [instantiate(node, _partial_=True)(run=run) for _, node in sorted(loggers.items()) if node is not None]
+    return Metrics(run.run_dir, run.start_step, trackers)
 
 
 def read_records(run_dir: Path) -> list[dict]:

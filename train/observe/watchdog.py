@@ -11,6 +11,9 @@ Two kinds of progress are watched, each against its own limit:
 
 A rank that waits for other ranks' I/O, or compiles, does so inside `paused()`: its training clock stops, and the
 wait is bounded by the others' own I/O watches (their exit breaks the connection the wait is on).
+
+Before a rank exits on a hang, every rank writes where it is into RUN_DIR/hang/ and the summary names the ranks
+that are behind (train/observe/hang.py); each tick also answers another rank's request for such a report.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from train.observe.hang import NullHangReports
+
 HANG_EXIT_CODE = 70  # "internal software error": distinguishes a detected hang from a crash in the logs
 
 
@@ -36,8 +41,9 @@ class _Stream:
 
 
 class Watchdog:
-    def __init__(self, rank: int, timeout_s: float, io_timeout_s: float = 0):
+    def __init__(self, rank: int, timeout_s: float, io_timeout_s: float = 0, reports=None):
         self.rank = rank
+        self.reports = reports or NullHangReports()
         self.timeout_s = timeout_s
         self.io_timeout_s = io_timeout_s
         self.step = 0
@@ -96,6 +102,11 @@ class Watchdog:
                     f"limit trainer.hang_timeout_s={self.timeout_s:g}).")
         return None
 
+    def state(self) -> dict:
+        """Where this rank is, for a hang report."""
+        return {"step": self.step, "activity": self.activity, "idle_s": time.monotonic() - self.last,
+                "checkpoint_io": [f"{s.what} ({s.done / 2**20:.1f} MB done)" for s in list(self.streams.values())]}
+
     def _watch(self, every: float) -> None:
         while not self.stopped.wait(every):
             report = self._stalled()
@@ -103,7 +114,23 @@ class Watchdog:
                 print(f"{report} Stacks of this rank's threads:", file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
+                self.report_hang(report, wait_s=2 * every + 2)
                 os._exit(HANG_EXIT_CODE)
+            self.reports.answer_request(self.state())
+
+    def report_hang(self, reason: str, wait_s: float) -> None:
+        """This rank's report, the others' (asked for, waited on up to wait_s), and the summary if this rank
+        noticed first; printed to stderr."""
+        incident = self.reports.open_incident()
+        if incident is None:
+            return
+        self.reports.write(incident, {**self.state(), "reason": reason})
+        reports = self.reports.gather(incident, wait_s)
+        if self.reports.opened(incident):
+            path = self.reports.summarise(incident, reports)
+            print(f"[rank {self.rank}] hang report: {path}\n{path.read_text()}", file=sys.stderr, flush=True)
+        else:
+            self.reports.wait_for_summary(incident, wait_s)
 
     def close(self) -> None:
         self.stopped.set()

@@ -1,0 +1,87 @@
+"""Seeing inside a run, in one process: what a tracker draws as a curve, the hang summary's reading of the ranks'
+reports, the NCCL flight recorder's settings, and a tracker catching up from metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+
+from train.observe.hang import HangReports, flight_recorder_env, summary
+from train.observe.metrics import Metrics, curves
+
+
+def test_curves_are_what_changes_and_the_same_tags_everywhere():
+    train = {"loss": 0.5, "lr": 0.1, "samples_per_s": 900.0, "epoch": 1.5, "restarts": 1, "step_time_slowest_rank": 3}
+    assert curves("train", train) == {"train/loss": 0.5, "train/lr": 0.1, "train/samples_per_s": 900.0}
+    assert curves("eval", {"acc": 0.9, "loss": 0.3, "epoch": 2.0}) == {"eval/acc": 0.9, "eval/loss": 0.3}
+    assert curves("checkpoint", {"stall_s": 0.2, "async": 1.0}) == {"train/checkpoint_stall_s": 0.2}
+    assert curves("checkpoint", {"load_s": 3.0}) == {} and curves("memory", {"rank0_param_mb": 1.0}) == {}
+
+
+def report(rank: int, collectives: int, where: str) -> dict:
+    return {"rank": rank, "host": "node1", "pid": 100 + rank, "collectives": collectives, "where": where,
+            "step": 7, "activity": "training", "idle_s": 300.0, "stacks": f"<stack of rank {rank}>"}
+
+
+def test_the_summary_names_the_ranks_behind_and_those_that_did_not_answer():
+    reports = [report(0, 42, "loss.backward"), report(1, 41, "data.py:10 in next"), report(3, 42, "all_reduce")]
+    text = summary(reports, world_size=4)
+    assert "3 of 4 ranks answered" in text
+    assert "behind: rank 1 (41 collectives done; the others up to 42" in text
+    assert "no report from rank 2" in text
+    assert "data.py:10 in next <- behind" in text
+    assert "stacks of rank 1:\n<stack of rank 1>" in text and "<stack of rank 0>" not in text
+
+    level = summary([report(0, 42, "a"), report(1, 42, "b")], world_size=2)
+    assert "no rank is behind in collectives (all at 42)" in level and "stacks of rank 0" in level
+
+
+def test_ranks_join_one_incident_and_an_earlier_attempts_request_is_not_theirs(tmp_path):
+    first, second = HangReports(tmp_path, 0, 2), HangReports(tmp_path, 1, 2)
+    incident = first.open_incident()
+    assert second.open_incident() == incident and first.opened(incident) and not second.opened(incident)
+    second.answer_request({"step": 3})
+    assert json.loads((tmp_path / "hang" / incident / "rank1.json").read_text())["step"] == 3
+    first.summarise(incident, first.gather(incident, wait_s=0))
+    assert not (tmp_path / "hang" / "request").exists()  # answered
+
+    (tmp_path / "hang" / "request").write_text("20200101-000000-rank0\n")  # left by an attempt that died
+    later = HangReports(tmp_path, 1, 2)
+    later.started += 10  # this attempt started after the request was written
+    assert later.open_incident() != "20200101-000000-rank0"
+
+
+def test_the_flight_recorder_dumps_into_the_run_directory_unless_the_user_set_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+    env = flight_recorder_env(tmp_path)
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "hang" / "nccl_trace_rank_")
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in env
+
+
+class Recorder:
+    """A tracker that keeps what it is sent (and holds nothing yet: added on resume, or lost it in a crash)."""
+
+    holds_through = -1
+
+    def __init__(self):
+        self.sent = []
+
+    def scalars(self, values, step):
+        self.sent.append((step, values))
+
+    def text(self, tag, text, step):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_tracker_behind_the_resumed_step_gets_the_records_up_to_it_from_metrics_jsonl(tmp_path):
+    lines = [{"kind": "train", "step": s, "time": 0, "loss": 1 / s, "epoch": s / 4} for s in (2, 4, 6, 8)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    tracker = Recorder()
+    metrics = Metrics(tmp_path, start_step=5, trackers=[tracker])  # resumed at step 5: 6 and 8 are dropped
+    metrics.log("train", 6, {"loss": 0.1})
+    metrics.close()
+    assert tracker.sent == [(2, {"train/loss": 0.5}), (4, {"train/loss": 0.25}), (6, {"train/loss": 0.1})]

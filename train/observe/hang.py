@@ -1,0 +1,189 @@
+"""Hang reports: when a rank's watchdog (or a collective timeout) fires, every rank writes where it is into
+RUN_DIR/hang/<incident>/rank<R>.json, and the rank that noticed first writes summary.txt naming the ranks that are
+behind and where they are.
+
+How the ranks learn of it without a collective (a hung group has none to spare): the first rank to notice creates
+RUN_DIR/hang/request (atomically; the others join its incident), and every rank's watchdog looks for a request
+newer than its own start at each tick and answers with its report. The noticing rank waits a few ticks for the
+answers before it summarises and exits. A rank that cannot answer (wedged holding the GIL, or dead) is named too.
+
+Who is behind: every collective on the default process group advances its sequence number on every rank in the
+same order (c10d keeps it, gloo and NCCL alike), so the ranks with the fewest are the ones the others wait for.
+On NCCL, the flight recorder (flight_recorder_env) also dumps each rank's last collectives into the same folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from pathlib import Path
+
+HANG_DIR = "hang"
+REQUEST = "request"
+SUMMARY = "summary.txt"
+STDLIB = tuple(os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib"))
+
+
+def collectives_done() -> int:
+    """Collectives this rank has issued on the default group (-1 if there is none)."""
+    try:
+        import torch.distributed as dist
+
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except Exception:  # no process group (yet), or one that keeps no count
+        return -1
+
+
+def thread_stacks() -> tuple[str, str]:
+    """(the stacks of every Python thread of this process as text, the main thread's innermost frame of its own
+    code: the first frame from the top that is not the standard library's, e.g. a wait)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts, where = [], ""
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue  # the watchdog writing this
+        stack = traceback.extract_stack(frame)
+        parts.append(f"Thread {names.get(ident, ident)}:\n{''.join(traceback.format_list(stack))}")
+        if ident == threading.main_thread().ident:
+            own = [f for f in stack if not os.path.realpath(f.filename).startswith(STDLIB)] or stack
+            where = f"{own[-1].filename}:{own[-1].lineno} in {own[-1].name}" if own else ""
+    return "\n".join(parts), where
+
+
+class HangReports:
+    def __init__(self, run_dir: Path, rank: int, world_size: int):
+        self.root = Path(run_dir) / HANG_DIR
+        self.rank, self.world_size = rank, world_size
+        self.started = time.time()
+        self.answered: str | None = None  # the incident this rank has written its report for
+
+    def _fresh_request(self) -> str | None:
+        try:
+            path = self.root / REQUEST
+            if path.stat().st_mtime >= self.started - 1:  # an earlier attempt's request is not ours
+                return path.read_text().strip() or None
+        except (FileNotFoundError, OSError):
+            pass
+        return None
+
+    def open_incident(self) -> str:
+        """The incident this rank's hang belongs to: a fresh one, or the one another rank opened moments ago."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        incident = self._fresh_request()
+        if incident:
+            return incident
+        incident = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-rank{self.rank}"
+        tmp, request = self.root / f".request.{self.rank}.{os.getpid()}", self.root / REQUEST
+        tmp.write_text(incident + "\n")
+        if request.exists() and self._fresh_request() is None:  # an earlier attempt's, left by a dead opener
+            request.unlink(missing_ok=True)
+        try:
+            os.link(tmp, request)  # fails if another rank's came first: then that one is joined
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+        return self._fresh_request() or incident
+
+    def opened(self, incident: str) -> bool:
+        return incident.endswith(f"-rank{self.rank}")
+
+    def write(self, incident: str, state: dict) -> None:
+        stacks, where = thread_stacks()
+        report = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+                  "collectives": collectives_done(), "where": where, **state, "stacks": stacks}
+        folder = self.root / incident
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".rank{self.rank}.json.tmp"
+        tmp.write_text(json.dumps(report, indent=1) + "\n")
+        os.replace(tmp, folder / f"rank{self.rank}.json")
+        self.answered = incident
+
+    def answer_request(self, state: dict) -> None:
+        """Called at each watchdog tick: write this rank's report if another rank asked for one."""
+        incident = self._fresh_request()
+        if incident and incident != self.answered:
+            self.write(incident, state)
+
+    def gather(self, incident: str, wait_s: float) -> list[dict]:
+        """The reports of this incident, once every rank's is in or after wait_s."""
+        folder, deadline = self.root / incident, time.monotonic() + wait_s
+        while len(list(folder.glob("rank*.json"))) < self.world_size and time.monotonic() < deadline:
+            time.sleep(0.2)
+        reports = []
+        for path in folder.glob("rank*.json"):
+            try:
+                reports.append(json.loads(path.read_text()))
+            except ValueError:
+                pass
+        return sorted(reports, key=lambda r: r["rank"])
+
+    def summarise(self, incident: str, reports: list[dict]) -> Path:
+        path = self.root / incident / SUMMARY
+        tmp = path.with_name(f".{SUMMARY}.tmp")
+        tmp.write_text(summary(reports, self.world_size, incident))
+        os.replace(tmp, path)
+        (self.root / REQUEST).unlink(missing_ok=True)  # answered: a later attempt's hang opens its own
+        return path
+
+    def wait_for_summary(self, incident: str, wait_s: float) -> None:
+        """A rank that did not open the incident stays until it is summarised: its exit would end the group."""
+        deadline = time.monotonic() + wait_s
+        while not (self.root / incident / SUMMARY).exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def summary(reports: list[dict], world_size: int, incident: str = "") -> str:
+    """Which ranks are behind (fewest collectives done) and where each rank is; their stacks after."""
+    silent = sorted(set(range(world_size)) - {r["rank"] for r in reports})
+    lines = [f"hang report {incident}: {len(reports)} of {world_size} ranks answered"]
+    counted = [r for r in reports if r["collectives"] >= 0]
+    fewest = min((r["collectives"] for r in counted), default=-1)
+    behind = [r for r in counted if r["collectives"] == fewest] if counted and \
+        any(r["collectives"] > fewest for r in counted) else []
+    if behind:
+        most = max(r["collectives"] for r in counted)
+        lines.append(f"behind: rank{'s' if len(behind) > 1 else ''} {', '.join(str(r['rank']) for r in behind)} "
+                     f"({fewest} collectives done; the others up to {most}: they wait in a collective for "
+                     f"{'these' if len(behind) > 1 else 'this one'})")
+    elif counted:
+        lines.append(f"no rank is behind in collectives (all at {fewest}): stuck in the same collective, or outside "
+                     f"collectives (data loading, I/O)")
+    if silent:
+        lines.append(f"no report from rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}: stuck "
+                     f"holding the interpreter (inside native code), or dead; see their logs")
+    for r in reports:
+        mark = " <- behind" if r in behind else ""
+        lines.append(f"  rank {r['rank']} on {r['host']} (pid {r['pid']}): after step {r.get('step', '?')}, "
+                     f"{r.get('activity', '?')}, idle {r.get('idle_s', 0):.0f} s, {r['collectives']} collectives, "
+                     f"at {r['where']}{mark}")
+    for r in behind or reports[:1]:
+        lines.append(f"\nstacks of rank {r['rank']}:\n{r['stacks']}")
+    return "\n".join(lines) + "\n"
+
+
+class NullHangReports:
+    """For a watchdog without a run directory (benchmarks, unit tests): only the stderr dump."""
+
+    def open_incident(self) -> None:
+        return None
+
+    def answer_request(self, state: dict) -> None:
+        pass
+
+
+def flight_recorder_env(run_dir: Path) -> dict[str, str]:
+    """NCCL's flight recorder on, dumping each rank's last collectives into RUN_DIR/hang on a timeout (read them
+    with `python -m torch.distributed.flight_recorder.fr_trace RUN_DIR/hang`). A user's own settings win."""
+    wanted = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(run_dir) / HANG_DIR / "nccl_trace_rank_"),
+    }
+    return {k: v for k, v in wanted.items() if k not in os.environ}
