@@ -113,6 +113,9 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
     if unknown:
         problems.append(f"trainer.stop_signals={t.stop_signals}: {', '.join(unknown)} is not a signal name (e.g. SIGTERM, SIGUSR2).")
     _choice(problems, "trainer.progress", t.progress, PROGRESS_MODES)
+    if t.profile and not (len(t.profile) == 2 and 1 <= t.profile[0] <= t.profile[1]):
+        problems.append(f"trainer.profile={list(t.profile)} must be [FIRST,LAST] optimizer steps with 1 <= FIRST <= "
+                        f"LAST, e.g. trainer.profile=[10,12] (a few steps after the first, which warm up).")
     if o.lr <= 0:
         problems.append(f"optim.lr={o.lr} must be positive.")
     _at_least(problems, "optim.reference_batch_size", o.reference_batch_size, 1)

@@ -110,6 +110,11 @@ def test_batch_size_below_one(tmp_path):
     assert "data.batch_size=0 must be at least 1" in problems("data.batch_size=0", run_dir=tmp_path)
 
 
+def test_a_profiled_range_must_be_two_steps_in_order(tmp_path):
+    assert "trainer.profile=[5, 3] must be [FIRST,LAST] optimizer steps with 1 <= FIRST <= LAST" in \
+        problems("trainer.profile=[5,3]", run_dir=tmp_path)
+
+
 def test_bad_checkpoint_and_sharding_settings_are_refused_with_the_fix(tmp_path):
     message = problems("checkpoint.format=zip", "checkpoint.async_save=true", run_dir=tmp_path)
     assert "checkpoint.format='zip' is not one of: auto, file, dcp" in message

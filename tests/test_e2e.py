@@ -84,13 +84,15 @@ def test_default_job_trains_to_90_percent_with_checkpoints_and_tensorboard(launc
 
 
 def test_two_runs_at_once_do_not_clash_on_ports(tmp_path):
-    common = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.epochs=1", "trainer.log_every=8"]
+    """Run "a" also profiles steps 10-11: a trace per rank, and the metrics say which records they fall in."""
+    common = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.epochs=1", "trainer.log_every=8",
+              "trainer.procs_per_node=2"]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "launcher", *common, f"hydra.run.dir={tmp_path / name}"],
+            [sys.executable, "-m", "launcher", *common, *extra, f"hydra.run.dir={tmp_path / name}"],
             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        for name in ("a", "b")
+        for name, extra in (("a", ["trainer.profile=[10,11]"]), ("b", []))
     ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     for proc, out in zip(procs, outputs):
@@ -98,6 +100,16 @@ def test_two_runs_at_once_do_not_clash_on_ports(tmp_path):
         assert proc.returncode == 0
     for name in ("a", "b"):
         assert list((tmp_path / name / "checkpoints").glob("step_*.pt"))
+
+    for rank in (0, 1):
+        events = json.loads((tmp_path / "a" / "profile" / f"rank{rank}.pt.trace.json").read_text())["traceEvents"]
+        names = {e.get("name") for e in events}
+        assert {"train step 10", "train step 11"} <= names and "train step 12" not in names
+        assert "aten::addmm" in names  # the model's own work, with its shapes
+    assert "steps 10-11 profiled on every rank" in outputs[0]
+    marked = [r["step"] for r in read_metrics(tmp_path / "a") if r["kind"] == "train" and r.get("profiled")]
+    assert marked == [16]  # the record of steps 9-16
+    assert not (tmp_path / "b" / "profile").exists()
 
 
 def test_snapshot_runs_under_plain_torchrun(launch, tmp_path):

@@ -102,6 +102,7 @@ class TrainerConfig:
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])  # save at the next step, then stop
     stop_check_every: int = 10  # steps between the ranks' checks for a stop signal (a tiny all-reduce); a stop lands within this + 1 steps
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | off
+    profile: list[int] = field(default_factory=list)  # [FIRST, LAST]: torch.profiler traces of these optimizer steps on every rank, in RUN_DIR/profile
 
 
 @dataclass

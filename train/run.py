@@ -34,6 +34,7 @@ from train.host import freeze_imported_objects, keep_freed_memory
 from train.identity import run_identity
 from train.observe.hang import HangReports, flight_recorder_env
 from train.observe.metrics import build_metrics
+from train.observe.profile import build_profiler
 from train.observe.trackers import TrackedRun
 from train.weights import read_weights
 from train.meta_init import Unsupported, build_on_meta, materialise
@@ -377,6 +378,7 @@ def fit(run: Run) -> Outcome:
     # Not under compile: recording events inside the compiled forward would split its graph.
     forward = None if cfg.trainer.compile else ForwardClock(run.strategy.model, run.device)
     meter = Meter(run.device, forward, run.flops_per_token, peak_tflops(run.device, cfg.trainer.peak_tflops))
+    profiler = build_profiler(cfg.trainer.profile, run.run_dir, env.rank, run.device)
     result: dict[str, float] = {}
     stopped = False
     micro_batches = None
@@ -393,7 +395,7 @@ def fit(run: Run) -> Outcome:
         # This attempt's first step counts the activations it keeps (not under compile: the hooks would be traced).
         saved = SavedActivations(run.strategy.model) if progress.step == start and not cfg.trainer.compile else None
         with compiling(run, "compiling the first step") if compiling_now else contextlib.nullcontext(), \
-                saved or contextlib.nullcontext():
+                saved or contextlib.nullcontext(), profiler.step(progress.step + 1):
             train_step(run.strategy, run.task, micro_batches, run.optimizer, run.scheduler, run.scaler, run.autocast,
                        cfg.trainer, meter)
         progress.step += 1
@@ -401,6 +403,9 @@ def fit(run: Run) -> Outcome:
             log_memory(run, metrics, console, progress.step, saved.bytes if saved else 0)
         watchdog.beat(progress.step)
         console.advance(progress.step)
+        if (profiled := profiler.finished(progress.step)) is not None:
+            console.print(profiled)
+            metrics.note("profile", profiled, progress.step)
         if progress.step % cfg.trainer.log_every == 0:
             values = {
                 **meter.reduce(plan.global_batch, plan.replicas),
@@ -408,6 +413,8 @@ def fit(run: Run) -> Outcome:
                 "epoch": progress.step / plan.steps_per_epoch,
                 "restarts": restarts,
             }
+            if profiler.covers(progress.step - cfg.trainer.log_every, progress.step):
+                values["profiled"] = 1.0  # these steps ran under the profiler: slower, and not a regression
             metrics.log("train", progress.step, values)
             console.show(progress.step, epoch, values)
         if evaluation_due(run):
