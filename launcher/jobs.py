@@ -1,5 +1,6 @@
-"""`python -m launcher.jobs status|logs|cancel RUN_DIR`: who holds a run directory, and the SLURM jobs of a run
-(or of a whole sweep: pass its sweep directory to status and cancel).
+"""`python -m launcher.jobs status|logs|cancel RUN_DIR`: where a run stands (step, loss, throughput, ETA, restarts:
+launcher/progress.py), who holds its directory, and its SLURM jobs; for a whole sweep, pass its sweep directory to
+status (one table) and cancel.
 
 Reads RUN_DIR/lease.json (the holder: a local launcher or a SLURM job) and RUN_DIR/slurm/jobs.jsonl, written at
 each submission. Job states come from the SLURM controller (scontrol), else from its accounting (sacct); the logs
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from launcher.backend import get_backend, lease_holder_alive
 from launcher.lease import read_lease
+from launcher.progress import print_progress
 from launcher.slurm import ACTIVE, JOBS_FILE, job_state, recorded_jobs, slurm_folder
 from launcher.sweep import point_dirs
 
@@ -38,8 +40,11 @@ def holder(run_dir: Path) -> str:
 
 
 def status(run_dir: Path) -> int:
-    for directory in run_dirs(run_dir):
-        print(f"{directory}: {holder(directory)}")
+    """Where the run (or every point of a sweep) stands, one row each; who holds it; its SLURM jobs."""
+    directories = run_dirs(run_dir)
+    print_progress(directories, title=f"{'sweep' if len(directories) > 1 or directories[0] != run_dir else 'run'} {run_dir}")
+    for directory in directories:
+        print(f"{directory.name}: {holder(directory)}")
     if not job_ids(run_dir):
         return 0
     print(f"{'job':>10}  {'state':<12} {'elapsed':>10}  nodes")

@@ -34,6 +34,14 @@ def workers_of(run_dir: Path) -> list[int]:
     return [int(pid) for pid in out.split()]
 
 
+def jobs_status(run_dir: Path) -> list[str]:
+    """The cells of the run's row in `python -m launcher.jobs status RUN_DIR`."""
+    out = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(run_dir)], capture_output=True,
+                         text=True, timeout=60).stdout
+    row = next(line for line in out.splitlines() if line.startswith("│ run "))
+    return [cell.strip() for cell in row.strip("│").split("│")]
+
+
 def test_a_killed_launchers_workers_die_with_it_and_the_next_launch_takes_the_directory_over(launch, tmp_path):
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "launcher", *SMALL, "trainer.procs_per_node=2", "trainer.epochs=100000",
@@ -45,22 +53,28 @@ def test_a_killed_launchers_workers_die_with_it_and_the_next_launch_takes_the_di
             lease = json.loads((run_dir / "lease.json").read_text())
             assert (lease["holder"], lease["pid"]) == (f"launcher pid {first.pid} on {socket.gethostname()}", first.pid)
             assert lease["expires"] > time.time()
+            # Where it stands, from its files: running, its step of the total, loss, throughput, time left.
+            row = jobs_status(run_dir)
+            assert row[:2] == ["run", "running"] and row[2].endswith(f"/{json.loads((run_dir / 'plan.json').read_text())['stop_step']}")
+            assert float(row[3]) > 0 and row[5].endswith("samples/s") and row[6].endswith("m") and row[7] == "0"
             first.send_signal(signal.SIGKILL)  # no clean end: the lease stays behind
             first.wait()
             # Its workers do not go on writing: they die with their launcher.
             wait_for(lambda: not workers_of(run_dir), 30, "the orphaned workers to die")
+            assert jobs_status(run_dir)[1] == "not running"
         finally:
             if first.poll() is None:
                 first.kill()
             subprocess.run(["pkill", "-9", "-f", f"train {run_dir}/config.yaml"], capture_output=True)
     assert json.loads((run_dir / "lease.json").read_text())["pid"] == first.pid
-    second = launch(*SMALL, "trainer.procs_per_node=2", "trainer.epochs=100000", "trainer.max_steps=12",
+    stop = final_checkpoint(run_dir)["step"] + 7
+    second = launch(*SMALL, "trainer.procs_per_node=2", "trainer.epochs=100000", f"trainer.max_steps={stop}",
                     "checkpoint.every_steps=5", f"hydra.run.dir={run_dir}")
     assert second.returncode == 0, second.stderr
     assert f"taking over {run_dir} from launcher pid {first.pid} on {socket.gethostname()} (pid {first.pid} has ended)" \
         in second.stderr
     assert "; resumed at step" in second.stdout
-    assert final_checkpoint(run_dir)["step"] == 12
+    assert final_checkpoint(run_dir)["step"] == stop
     assert not (run_dir / "lease.json").exists()  # released at the clean end
 
 

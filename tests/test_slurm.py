@@ -77,6 +77,7 @@ def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(clu
 
     status = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(run_dir)], capture_output=True, text=True)
     assert f"{job_id} COMPLETED" in " ".join(status.stdout.split())
+    assert f"│ finished │ {plan['total_steps']}/{plan['total_steps']} │" in status.stdout  # where the run stands
     logs = subprocess.run([sys.executable, "-m", "launcher.jobs", "logs", str(run_dir)], capture_output=True, text=True)
     assert f"eval  step {plan['total_steps']}" in logs.stdout
 

@@ -4,6 +4,7 @@ points skipped on a re-run, and a summary whose numbers are the points' own."""
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 
@@ -55,6 +56,14 @@ def test_a_failing_point_is_reported_and_the_others_complete(launch, tmp_path):
     bad, good = (next(r for key, r in rows.items() if f"data.batch_size={b} " in key + " ") for b in (0, 16))
     assert bad["status"] == "failed" and bad["final_acc"] == ""
     assert good["status"] == "finished" and float(good["final_acc"]) > 0
+
+    # The sweep's live state is one table, a row per point.
+    status = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(sweep_dir)], capture_output=True,
+                            text=True, timeout=60).stdout
+    rows = [[c.strip() for c in line.strip("│").split("│")] for line in status.splitlines() if line.startswith("│")]
+    assert sorted(row[1] for row in rows) == ["failed", "finished"]
+    plan = json.loads(next(sweep_dir.glob("*batch_size=16*/plan.json")).read_text())
+    assert next(row for row in rows if row[1] == "finished")[2] == f"{plan['stop_step']}/{plan['stop_step']}"
 
 
 def test_a_slurm_sweep_submits_every_point_at_once(cluster, launch, tmp_path):  # noqa: F811
