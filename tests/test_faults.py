@@ -144,6 +144,19 @@ def test_a_hanging_rank_is_reported_by_rank_and_the_group_restarts(launch, tmp_p
     assert "hang report:" in proc.stderr
 
 
+def test_a_collective_timeout_leaves_a_hang_report_that_names_the_rank_behind(launch, tmp_path):
+    """Rank 0's all-reduce times out (trainer.timeout_s=3) while rank 1 is stuck before it; rank 1, asked through
+    the run directory, answers with where it is (and later reports its own hang: trainer.hang_timeout_s=6)."""
+    run_dir = tmp_path / "run"
+    proc = launch(*FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16", "trainer.hang_timeout_s=6",
+                  "trainer.timeout_s=3", f"hydra.run.dir={run_dir}", env=fault_env("hang", rank=1, step=3), timeout=180)
+    assert proc.returncode == 1
+    [summary] = (run_dir / "hang").glob("*-rank0/summary.txt")  # the incident rank 0 opened
+    text = summary.read_text()
+    assert "2 of 2 ranks answered" in text and "behind: rank 1 (" in text and "faulty_train_step" in text
+    assert "a collective timed out" in json.loads((summary.parent / "rank0.json").read_text())["reason"]
+
+
 def test_a_rank_that_fails_at_start_up_ends_the_job_with_its_error(launch, tmp_path):
     proc = launch(*FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16", f"hydra.run.dir={tmp_path / 'run'}",
                   env=fault_env("config", rank=1), timeout=120)

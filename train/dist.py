@@ -203,6 +203,13 @@ def broadcast_from_main(value, group=None):
     return box[0]
 
 
+def is_collective_timeout(error: BaseException) -> bool:
+    """A collective that waited past the process group's timeout (gloo: "Timed out waiting ... for recv"; NCCL's
+    watchdog: "Watchdog caught collective operation timeout"), as opposed to a peer that died."""
+    text = str(error).lower()
+    return isinstance(error, (dist.DistError, RuntimeError)) and ("timed out" in text or "timeout" in text)
+
+
 def cleanup() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -91,6 +91,10 @@ def main(config_path: str | Path) -> Outcome:
         run = build(cfg, config_path.parent, env, device, control, watchdog, saving)
         keep_freed_memory()  # after the build (its peak stays glibc's): the steps free and take back the same memory
         return fit(run)
+    except Exception as error:
+        if distributed.is_collective_timeout(error):  # a hang seen from the waiting side: where is everybody?
+            watchdog.report_collective_timeout(error)
+        raise
     finally:
         # DDP's reducer and the strategy hold the process groups. Left to the garbage collector at interpreter
         # exit, they are torn down while the interpreter finalizes: a rank was seen to end with "terminate called

@@ -46,14 +46,19 @@ def thread_stacks() -> tuple[str, str]:
     names = {t.ident: t.name for t in threading.enumerate()}
     parts, where = [], ""
     for ident, frame in sys._current_frames().items():
-        if ident == threading.get_ident():
+        if ident == threading.get_ident() and ident != threading.main_thread().ident:
             continue  # the watchdog writing this
         stack = traceback.extract_stack(frame)
         parts.append(f"Thread {names.get(ident, ident)}:\n{''.join(traceback.format_list(stack))}")
         if ident == threading.main_thread().ident:
-            own = [f for f in stack if not os.path.realpath(f.filename).startswith(STDLIB)] or stack
-            where = f"{own[-1].filename}:{own[-1].lineno} in {own[-1].name}" if own else ""
+            where = innermost_own_frame(stack)
     return "\n".join(parts), where
+
+
+def innermost_own_frame(stack: traceback.StackSummary) -> str:
+    """'file:line in function' of the innermost frame that is not the standard library's (a wait, a lock)."""
+    own = [f for f in stack if not os.path.realpath(f.filename).startswith(STDLIB)] or stack
+    return f"{own[-1].filename}:{own[-1].lineno} in {own[-1].name}" if own else ""
 
 
 class HangReports:

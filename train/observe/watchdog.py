@@ -25,10 +25,11 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from train.observe.hang import NullHangReports
+from train.observe.hang import NullHangReports, innermost_own_frame
 
 HANG_EXIT_CODE = 70  # "internal software error": distinguishes a detected hang from a crash in the logs
 
@@ -54,9 +55,9 @@ class Watchdog:
         self.serial = itertools.count()
         self.stopped = threading.Event()
         limits = [t for t in (timeout_s, io_timeout_s) if t > 0]
+        self.every = min(5.0, min(limits) / 4) if limits else 0.0  # also how soon this rank answers a hang report
         if limits:
-            threading.Thread(target=self._watch, args=(min(5.0, min(limits) / 4),), name="hang-watchdog",
-                             daemon=True).start()
+            threading.Thread(target=self._watch, args=(self.every,), name="hang-watchdog", daemon=True).start()
 
     def beat(self, step: int, activity: str = "training") -> None:
         self.step, self.activity, self.last = step, activity, time.monotonic()
@@ -118,13 +119,20 @@ class Watchdog:
                 os._exit(HANG_EXIT_CODE)
             self.reports.answer_request(self.state())
 
-    def report_hang(self, reason: str, wait_s: float) -> None:
+    def report_collective_timeout(self, error: BaseException) -> None:
+        """A collective of this rank timed out (trainer.timeout_s): the same reports as for a hang, before the
+        error ends the rank. The others answer at their next tick."""
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        self.report_hang(f"[rank {self.rank}] a collective timed out: {first_line}", wait_s=2 * (self.every or 5) + 2,
+                         where=innermost_own_frame(traceback.extract_tb(error.__traceback__)))
+
+    def report_hang(self, reason: str, wait_s: float, where: str | None = None) -> None:
         """This rank's report, the others' (asked for, waited on up to wait_s), and the summary if this rank
-        noticed first; printed to stderr."""
+        noticed first; printed to stderr. `where`: the place to name, if not this rank's main thread now."""
         incident = self.reports.open_incident()
         if incident is None:
             return
-        self.reports.write(incident, {**self.state(), "reason": reason})
+        self.reports.write(incident, {**self.state(), "reason": reason, **({"where": where} if where else {})})
         reports = self.reports.gather(incident, wait_s)
         if self.reports.opened(incident):
             path = self.reports.summarise(incident, reports)
