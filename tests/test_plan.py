@@ -92,6 +92,16 @@ def test_no_weight_decay_on_biases_and_norms_when_asked():
     assert isinstance(optimizer, torch.optim.SGD) and decayed["momentum"] == 0.9  # the target's own arguments
 
 
+def test_a_run_that_ends_on_the_warmups_last_step_is_not_warned():
+    from types import SimpleNamespace
+
+    from train.optim import WarmupSchedule, schedule_warning
+
+    factor = WarmupSchedule(steps_per_epoch=4, total_steps=4, warmup_steps=4, warmup_epochs=0)
+    assert schedule_warning(factor, SimpleNamespace(stop_step=4, total_steps=4)) == ""  # its last lr is the peak
+    assert "inside the lr warmup of 4 steps" in schedule_warning(factor, SimpleNamespace(stop_step=3, total_steps=4))
+
+
 def test_a_short_run_inside_an_epoch_long_warmup_is_warned_and_warmup_steps_is_honoured(launch, tmp_path):
     """The default warmup of one epoch (64 steps here) and a 10-step run: all warmup, and said so; in steps, the
     warmup is what it says whatever the epoch's length."""

@@ -71,10 +71,10 @@ def test_a_changed_number_of_epochs_on_resume_is_reported_and_followed(launch, t
 
 
 def test_checkpoint_io_slower_than_every_limit_is_not_a_hang(launch, tmp_path):
-    """Each save and load takes ~6 s (~75 kB at 80 ms per kB) against 5 s limits for hangs and collectives."""
+    """Each save and load takes ~3.8 s (~75 kB at 50 ms per kB) against 3 s limits for hangs and collectives."""
     run_dir = tmp_path / "run"
-    limits = ["trainer.hang_timeout_s=5", "trainer.timeout_s=5", "trainer.eval_every=0", f"hydra.run.dir={run_dir}"]
-    slow = {"FAULT_DELAY_MS": "80"}
+    limits = ["trainer.hang_timeout_s=3", "trainer.timeout_s=3", "trainer.eval_every=0", f"hydra.run.dir={run_dir}"]
+    slow = {"FAULT_DELAY_MS": "50"}
     first = launch(*SMALL, *limits, "trainer.max_steps=5", env={**fault_env("slow_io", rank=0), **slow})
     assert first.returncode == 0, "a slow save on rank 0 was taken for a hang"
     # Resume with every rank slow: rank 0 reads and hashes while rank 1 waits for its choice, then rank 1 reads
@@ -88,12 +88,12 @@ def test_checkpoint_io_slower_than_every_limit_is_not_a_hang(launch, tmp_path):
 
 
 def test_a_step_directory_committed_slower_than_every_limit_is_not_a_hang(launch, tmp_path):
-    """Under fsdp (sharded checkpoints) rank 0 takes 7 s to commit while rank 1 waits in the save's last
-    collective, on the training group itself (gloo), whose limit is 5 s outside such waits."""
+    """Under fsdp (sharded checkpoints) rank 0 takes 4.5 s to commit while rank 1 waits in the save's last
+    collective, on the training group itself (gloo), whose limit is 3 s outside such waits."""
     run_dir = tmp_path / "run"
-    limits = ["trainer.hang_timeout_s=5", "trainer.timeout_s=5", "trainer.eval_every=0", f"hydra.run.dir={run_dir}"]
+    limits = ["trainer.hang_timeout_s=3", "trainer.timeout_s=3", "trainer.eval_every=0", f"hydra.run.dir={run_dir}"]
     run = [*SMALL, "trainer.strategy=fsdp", "checkpoint.format=dcp", *limits]
-    slow = launch(*run, "trainer.max_steps=3", env={**fault_env("slow_commit", rank=0), "FAULT_DELAY_MS": "7000"})
+    slow = launch(*run, "trainer.max_steps=3", env={**fault_env("slow_commit", rank=0), "FAULT_DELAY_MS": "4500"})
     assert slow.returncode == 0, "waiting for rank 0's commit was taken for a hang"
     assert (run_dir / "checkpoints" / "step_00000003" / "manifest.json").is_file()
 

@@ -139,7 +139,7 @@ def schedule_warning(factor, plan) -> str:
     the decay the schedule was computed for (a short run of a long schedule)."""
     warmup, end = getattr(factor, "warmup", 0), getattr(factor, "total", plan.total_steps)
     at_stop = factor(max(plan.stop_step - 1, 0))
-    if plan.stop_step <= warmup:
+    if plan.stop_step <= warmup and at_stop < 1 - 1e-9:  # a run that ends on the warmup's last step reached the peak
         return (f"\nwarning: the run stops at step {plan.stop_step}, inside the lr warmup of {warmup} steps: the lr never "
                 f"reaches its peak (it ends at {at_stop:.0%} of it). Give a shorter warmup "
                 f"(optim.schedule.warmup_steps=N), or train longer.")
