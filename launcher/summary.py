@@ -6,6 +6,7 @@ from pathlib import Path
 
 from launcher.local import procs_per_node, threads_per_process, world_size
 from launcher.schema import Config
+from train.layout import layout_of
 from train.checkpoint import checkpoint_dir, committed
 from train.dist import resolve_backend
 from train.optim import global_batch_size, replicas, scaled_lr
@@ -40,10 +41,13 @@ def describe_schedule(node: dict) -> str:
 
 def _strategy(cfg: Config, world: int) -> str:
     t = cfg.trainer
-    copies = t.fsdp_replicate or t.nodes
-    if t.strategy == "fsdp" and copies > 1:
-        return (f"fsdp (HSDP): {copies} copies of the model, each sharded {world // copies} ways block by block; "
-                f"gradients all-reduced between the copies")
+    layout = layout_of(t, world, procs_per_node(cfg))
+    split = f"; each layer split {layout.tp} ways within a tp group (tensor parallel)" if layout.tp > 1 else ""
+    if t.strategy == "fsdp" and layout.dp_replicate > 1:
+        return (f"fsdp (HSDP): {layout.dp_replicate} copies of the model, each sharded {layout.dp_shard} ways block by "
+                f"block; gradients all-reduced between the copies{split}")
+    if t.strategy == "fsdp":
+        return STRATEGY_NOTES["fsdp"].format(world=layout.dp_shard) + split
     return STRATEGY_NOTES[t.strategy].format(world=world, microbatches=t.microbatches, schedule=t.pipeline_schedule)
 
 

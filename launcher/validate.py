@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from launcher.backend import BACKENDS, get_backend
-from launcher.local import world_size
+from launcher.local import procs_per_node, world_size
 from launcher.one_batch import check_one_batch
 from launcher.schema import Config
 from train.checkpoint import checkpoint_dir, committed, refuse_fresh_start_over
@@ -26,7 +26,9 @@ from train.data import DatasetMissing, prepare
 from train.dist import resolve_backend
 from train.identity import describe, identity_changes
 from train.weights import misfit, read_weights
+from train.layout import LayoutError, layout_of
 from train.models import pipeline_stages
+from train.tensor_parallel import model_plan, problems_with
 from train.parallel import GRAD_COMPRESSIONS, MEMORY_FORMATS
 from train.strategies import PIPELINE_SCHEDULES, STRATEGIES
 
@@ -141,6 +143,23 @@ def _model_on_meta(cfg: Config):
         return build_model(cfg)
 
 
+def _check_tensor_parallel(cfg: Config, problems: list[str], targets_ok: bool) -> None:
+    t = cfg.trainer
+    try:
+        layout_of(t, world_size(cfg), procs_per_node(cfg))
+    except LayoutError as error:
+        problems.append(str(error))
+        return
+    if t.strategy != "fsdp":
+        problems.append(f"trainer.tp={t.tp} composes with trainer.strategy=fsdp (FSDP2 shards what each tp rank holds "
+                        f"over the other ranks; trainer.fsdp_replicate=K for copies): set trainer.strategy=fsdp.")
+    if t.compile:
+        problems.append(f"trainer.compile=true with trainer.tp={t.tp} is not supported yet: leave one of them out.")
+    if targets_ok:
+        model = _model_on_meta(cfg)
+        problems.extend(problems_with(model, model_plan(model, t.tp_plan), t.tp))
+
+
 def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
     t = cfg.trainer
     if not _choice(problems, "trainer.strategy", t.strategy, sorted(STRATEGIES)):
@@ -154,6 +173,8 @@ def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
         if t.precision == "fp16":
             problems.append(f"trainer.precision=fp16 needs a gradient scaler, which trainer.strategy={t.strategy} does not "
                             f"use here: use trainer.precision=bf16 (no scaler needed).")
+    if t.tp != 1:
+        _check_tensor_parallel(cfg, problems, targets_ok)
     copies = t.fsdp_replicate
     if copies < 0 or (copies > 0 and world_size(cfg) % copies):
         problems.append(f"trainer.fsdp_replicate={copies}: the copies of the sharded model must divide the world size "
@@ -163,13 +184,19 @@ def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
     if t.fsdp_cpu_offload and (t.strategy != "fsdp" or t.gpus == 0):
         problems.append("trainer.fsdp_cpu_offload=true needs trainer.strategy=fsdp on GPUs (trainer.gpus > 0).")
     if t.strategy != "pipeline":
+        if t.pp:
+            problems.append(f"trainer.pp={t.pp} applies to trainer.strategy=pipeline only: leave it out.")
         return
-    world = world_size(cfg)
+    try:
+        world = layout_of(t, world_size(cfg), procs_per_node(cfg)).pp  # the stages (the rest: copies of them)
+    except LayoutError as error:
+        problems.append(str(error))
+        return
     _at_least(problems, "trainer.microbatches", t.microbatches, 1)
     _choice(problems, "trainer.pipeline_schedule", t.pipeline_schedule, sorted(PIPELINE_SCHEDULES))
     if world < 2:
-        problems.append("trainer.strategy=pipeline needs at least 2 processes, one per stage: set "
-                        "trainer.procs_per_node=2 (or trainer.gpus=2), or use trainer.strategy=ddp.")
+        problems.append("trainer.strategy=pipeline needs at least 2 stages, a process each: set "
+                        "trainer.procs_per_node=2 (or trainer.gpus=2) and trainer.pp=0 or 2, or use trainer.strategy=ddp.")
     if t.microbatches >= 1 and cfg.data.batch_size % t.microbatches:
         problems.append(f"data.batch_size={cfg.data.batch_size} does not split into trainer.microbatches={t.microbatches} "
                         f"equal microbatches: use a multiple of {t.microbatches}, or another trainer.microbatches.")
@@ -192,9 +219,9 @@ def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
         elif len(stages) < world:
             hint = " (for mlp: more model.hidden layers)" if str(cfg.model["_target_"]).endswith(".mlp") else ""
             problems.append(
-                f"trainer.strategy=pipeline cuts the model into {world} stages (one per process) between its blocks, but "
-                f"model._target_={cfg.model['_target_']} declares {len(stages)} block(s): use {len(stages)} process(es) "
-                f"or fewer, or a model with more blocks{hint}."
+                f"trainer.strategy=pipeline cuts the model into {world} stages (trainer.pp) between its blocks, but "
+                f"model._target_={cfg.model['_target_']} declares {len(stages)} block(s): use {len(stages)} stages "
+                f"or fewer (trainer.pp, or fewer processes), or a model with more blocks{hint}."
             )
 
 

@@ -104,13 +104,28 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 def final_checkpoint(run_dir: Path) -> dict:
     """The newest checkpoint's state, "model" included, in either format (a step directory's model read whole)."""
-    from train.checkpoint import committed, dcp
+    from train.checkpoint import committed
 
     found = committed(run_dir / "checkpoints")
     assert found, f"no checkpoint in {run_dir}"
-    if found[-1].path.is_dir():
-        return {**dcp.load_trainer_state(found[-1].path), "model": dcp.read_model(found[-1].path)}
-    return torch.load(found[-1].path, weights_only=True)
+    return _read_checkpoint(found[-1].path)
+
+
+def checkpoint_at(run_dir: Path, step: int) -> dict:
+    """The committed checkpoint of `step` (kept: checkpoint.keep_last), in either format."""
+    from train.checkpoint import committed
+
+    found = [c for c in committed(run_dir / "checkpoints") if c.step == step]
+    assert found, f"no checkpoint of step {step} in {run_dir}"
+    return _read_checkpoint(found[-1].path)
+
+
+def _read_checkpoint(path: Path) -> dict:
+    from train.checkpoint import dcp
+
+    if path.is_dir():
+        return {**dcp.load_trainer_state(path), "model": dcp.read_model(path)}
+    return torch.load(path, weights_only=True)
 
 
 # SGD with momentum on an MLP without dropout or batch norm: nothing that depends on the per-rank batch.

@@ -112,3 +112,14 @@ def test_gpu_check_runs_the_checks_that_apply_on_a_cpu_and_writes_its_table(tmp_
     assert all(r["ok"] for r in table["checks"]) and "PASS  bf16 autocast" in proc.stdout
     refused = run_cli("benchmarks.gpu_check", cwd=REPO)  # no GPU here: it says so instead of failing every check
     assert refused.returncode == 2 and "no CUDA GPU here: run with --cpu" in refused.stderr
+
+
+def test_layout_benchmark_reports_memory_per_rank_and_tokens_per_second(tmp_path):
+    out = tmp_path / "layouts.json"
+    proc = run_cli("benchmarks.layouts", "--smoke", "--out", str(out), cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())["layouts"]
+    assert set(report) == {"fsdp 2", "tp 2"}
+    for figures in report.values():
+        assert len(figures["param_mb"]) == 2 and figures["median_tokens_per_s"] > 0
+    assert f"{report['tp 2']['median_tokens_per_s']:9.0f} tokens/s" in proc.stdout

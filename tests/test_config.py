@@ -184,12 +184,16 @@ def test_performance_options_are_checked(tmp_path):
 
 def test_strategy_combinations_are_checked_before_start(tmp_path):
     message = problems("trainer.strategy=pipeline", "trainer.procs_per_node=1", "data.batch_size=30", run_dir=tmp_path)
-    assert "trainer.strategy=pipeline needs at least 2 processes" in message
+    assert "trainer.strategy=pipeline needs at least 2 stages" in message
     assert "data.batch_size=30 does not split into trainer.microbatches=4 equal microbatches" in message
     message = problems("trainer.strategy=pipeline", "trainer.procs_per_node=3", "trainer.microbatches=2", run_dir=tmp_path)
     assert "trainer.pipeline_schedule=1f1b needs at least as many microbatches as stages (3)" in message
     message = problems("trainer.strategy=pipeline", "trainer.procs_per_node=4", run_dir=tmp_path)  # the cnn has 3 blocks
-    assert "model._target_=train.models.cnn declares 3 block(s): use 3 process(es) or fewer" in message
+    assert "model._target_=train.models.cnn declares 3 block(s): use 3 stages or fewer" in message
+    message = problems("trainer.strategy=pipeline", "trainer.procs_per_node=4", "trainer.pp=3", run_dir=tmp_path)
+    assert "trainer.pp=3: the pipeline's stages must divide the world size (4 processes): pick a divisor of 4" in message
+    validate(typed("trainer.strategy=pipeline", "trainer.procs_per_node=4", "trainer.pp=2", "trainer.microbatches=2"),
+             tmp_path, cuda_devices=0)  # 2 stages x 2 copies
     message = problems("trainer.strategy=fsdp", "trainer.grad_compression=bf16", "trainer.fsdp_cpu_offload=true", run_dir=tmp_path)
     assert "trainer.grad_compression=bf16 applies to trainer.strategy=ddp only" in message
     assert "trainer.fsdp_cpu_offload=true needs trainer.strategy=fsdp on GPUs" in message

@@ -39,7 +39,7 @@ def forecast(tmp_path, world: int, rank: int) -> dict:
 def test_gpt2_124m_on_64_nodes_of_8_gpus_is_built_as_its_ranks_and_fits(tokens, tmp_path):
     proc = dry_run(tmp_path, f"data.root={tokens}")
     assert proc.returncode == 0, proc.stderr[-2000:]  # on a machine without a GPU
-    assert "forecast  rank 0 of 512 (fsdp, 64 copies x 8 shards; 124.4M parameters)" in proc.stdout
+    assert "forecast  rank 0 of 512 (fsdp, 64 dp_replicate x 8 dp_shard; 124.4M parameters)" in proc.stdout
     assert "forecast  plan at 512 ranks: global batch 32768, 2 steps/epoch" in proc.stdout
     assert "each of 512 data replicas reads 191 samples per epoch" in proc.stdout
     assert "forecast  rank 511 of 512" in proc.stdout and "(fits)" in proc.stdout
@@ -54,7 +54,7 @@ def test_gpt2_124m_on_64_nodes_of_8_gpus_is_built_as_its_ranks_and_fits(tokens, 
 def test_a_7b_gpt_that_cannot_fit_under_ddp_is_refused_with_the_numbers_and_fits_sharded(tokens, tmp_path):
     proc = dry_run(tmp_path, f"data.root={tokens}", *GPT_7B, "trainer.strategy=ddp", "data.batch_size=4")
     assert proc.returncode == 2
-    assert "forecast  rank 0 of 512 (ddp, 512 replicas; 6,582.2M parameters): parameters 24.52" in proc.stdout
+    assert "forecast  rank 0 of 512 (ddp, 512 dp_replicate; 6,582.2M parameters): parameters 24.52" in proc.stdout
     assert "more than the 70.0 GB usable on a 80 GB GPU (launcher.gpu_memory_gb)" in proc.stderr
     assert "Try: trainer.strategy=fsdp" in proc.stderr
     # The knob it names: sharded (8 per node), the same model fits (rank 0 alone, from the snapshot above)

@@ -139,20 +139,23 @@ def hf_run(corpus, run_dir, experiment: str, *overrides: str, world: int = 2):
     return run_cli("launcher", *base, *overrides, f"hydra.run.dir={run_dir}", cwd=HF)
 
 
-def test_a_hugging_face_lm_under_fsdp_with_meta_init_and_checkpointing_equals_ddp(corpus, tmp_path):
+def test_a_hugging_face_lm_under_fsdp_with_meta_init_and_checkpointing_and_under_tp_equals_ddp(corpus, tmp_path):
     """Llama: tied embeddings, grouped-query attention, a rotary table computed at construction (GPT-2's meta build
-    is checked against its full build in tests/test_meta_init.py)."""
+    is checked against its full build in tests/test_meta_init.py); and tensor parallel with its own plan."""
     experiment = "hf_llama"
-    runs = {"ddp": [], "fsdp": ["trainer.strategy=fsdp", "trainer.activation_checkpointing=true"]}
+    runs = {"ddp": [], "fsdp": ["trainer.strategy=fsdp", "trainer.activation_checkpointing=true"],
+            # split 2 ways by Hugging Face's own plan (config.base_model_tp_plan): one replica of the global batch
+            "tp": ["trainer.strategy=fsdp", "trainer.tp=2", "data.batch_size=32"]}
     for name, overrides in runs.items():
         proc = hf_run(corpus, tmp_path / name, experiment, *overrides)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
         if name == "fsdp":  # built on the meta device, tied embeddings included: no full build on every rank
             assert "the model was built on the meta device" in proc.stderr and "building the whole model" not in proc.stderr
-    ddp, fsdp = (final_checkpoint(tmp_path / n)["model"] for n in runs)
+    ddp, fsdp, tp = (final_checkpoint(tmp_path / n)["model"] for n in runs)
     assert "lm_head.weight" in ddp
     for name, expected in ddp.items():
         torch.testing.assert_close(fsdp[name], expected, **TOLERANCE, msg=f"fsdp + checkpointing: {name} differs from ddp")
+        torch.testing.assert_close(tp[name], expected, **TOLERANCE, msg=f"tp=2: {name} differs from ddp")
     [memory] = [r for r in read_metrics(tmp_path / "fsdp") if r["kind"] == "memory"]
     assert memory["rank0_activation_mb"] > 0
 

@@ -80,8 +80,11 @@ class TrainerConfig:
     precision: str = "32"  # 32 | bf16 | fp16 (fp16 needs GPUs and uses a grad scaler)
     tf32: bool = True  # precision 32 on GPUs: fp32 matmuls and convolutions in TF32 (~8x faster, 10-bit mantissa); false: full fp32
     strategy: str = "ddp"  # ddp (copy the model, split the batch) | fsdp (shard parameters, grads, optimizer state) | pipeline (a stage of blocks per process)
+    pp: int = 0  # pipeline: stages (each replicated over world / pp data-parallel ranks); 0: one stage per process
     microbatches: int = 4  # pipeline: microbatches each batch is cut into (data.batch_size must divide evenly)
     pipeline_schedule: str = "1f1b"  # pipeline: gpipe (all forwards, then all backwards) | 1f1b (alternating: fewer activations held)
+    tp: int = 1  # tensor parallel degree: each layer's matrices split across this many ranks (within a node), composed with fsdp over the rest
+    tp_plan: dict[str, str] = field(default_factory=dict)  # tp: module name pattern (fnmatch, e.g. "blocks.*.attn.q") -> colwise | rowwise; empty: the model's own tensor_parallel_plan()
     fsdp_replicate: int = 0  # fsdp: copies of the sharded model (HSDP, a 2-D mesh: shard within, all-reduce across); 0: one per node; 1: shard over all ranks
     meta_init: bool = True  # fsdp: build the model on the meta device and give each rank only its shards (same initial values); falls back to a full build where the model's init cannot be replayed
     fsdp_cpu_offload: bool = False  # fsdp on GPUs: keep parameters, gradients and optimizer state in host memory

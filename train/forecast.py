@@ -30,6 +30,7 @@ from torch import nn
 from train.build import add_import_path, build_model, build_optimizer, build_task, checkpoint_blocks, instantiate
 from train.config import TrainConfig, load_config
 from train.dist import DistEnv
+from train.layout import layout_of
 from train.data import build_dataset
 from train.parallel import local_bytes
 from train.optim import make_plan, replica_rank, replicas, train_size
@@ -130,7 +131,7 @@ def forecast(cfg: TrainConfig, rank: int, world: int) -> dict:
         parameters = sum(p.numel() for p in model.parameters())
         largest_unit = 0
         if cfg.trainer.strategy == "fsdp":
-            largest_unit = largest_gathered(cfg, shard_units(model))
+            largest_unit = largest_gathered(cfg, shard_units(model)) // cfg.trainer.tp  # a tp rank gathers its part
             strategy = build_strategy(model, cfg.trainer, env, torch.device("cpu"))  # the real mesh and sharding
             model = strategy.model
         params = sum(local_bytes(p) for p in model.parameters())
@@ -163,13 +164,8 @@ def largest_gathered(cfg: TrainConfig, units: list[nn.Module]) -> int:
 
 
 def _mesh(cfg: TrainConfig, env: DistEnv) -> str:
-    """The device mesh in words: fsdp's shards (and hsdp's copies of them), or ddp's replicas."""
-    from train.sharded import replica_groups
-
-    if cfg.trainer.strategy != "fsdp":
-        return f"{env.world_size} replicas"
-    copies = replica_groups(cfg.trainer, env)
-    return f"{copies} copies x {env.world_size // copies} shards" if copies > 1 else f"{env.world_size} shards"
+    """The device mesh in words (train.layout): e.g. 64 dp_shard x 8 tp."""
+    return layout_of(cfg.trainer, env.world_size, env.local_world_size).describe()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,17 +22,18 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"model.n_embd={n_embd} must be a multiple of model.n_head={n_head}.")
-        self.n_head, self.dropout = n_head, dropout
-        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.head_dim, self.dropout = n_embd // n_head, dropout
+        # Three projections, not one fused: under tensor parallelism each splits by heads on its own.
+        self.q, self.k, self.v = (nn.Linear(n_embd, n_embd, bias=bias) for _ in range(3))
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, length, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        batch, length, _ = x.shape
+        # -1 heads: all of them, or this rank's share under tensor parallelism (the projections' output width).
+        q, k, v = (p(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, length, width)))
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, length, -1)))
 
 
 class Block(nn.Module):
@@ -73,6 +74,12 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """Megatron's split of each block (trainer.tp): the attention's q, k, v and the MLP's first layer by output
+        columns (each rank its heads, its hidden units), their output projections by input rows (one all-reduce
+        each). Embeddings, norms and the output projection stay whole on every rank."""
+        return TENSOR_PARALLEL_PLAN
 
     def flops_per_token(self, length: int | None = None) -> float:
         """Training FLOPs per token (forward + backward), nanoGPT's and PaLM's convention: 6 x the parameters that
@@ -123,6 +130,10 @@ class GPTPipeline(nn.Sequential):
         embedding = self[0]
         lookups = embedding.wpe.weight.numel() + embedding.wte.weight.numel()
         return flops(self, lookups, self.n_layer, self.n_embd, length or self.block_size)
+
+
+TENSOR_PARALLEL_PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+                        "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 
 
 def init_weights(model: nn.Module, n_layer: int) -> None:

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from train.layout import layout_of
 from train.config import OptimConfig, TrainConfig
 
 
@@ -33,13 +34,14 @@ def scaled_lr(cfg: OptimConfig, global_batch: int) -> float:
 
 
 def replicas(cfg: TrainConfig, world_size: int) -> int:
-    """How many processes read different samples: all of them, except in a pipeline (one model across them)."""
-    return 1 if cfg.trainer.strategy == "pipeline" else world_size
+    """How many processes read different samples: the layout's data-parallel degree (a pipeline's stages and a
+    tensor-parallel group read one share; HSDP's copies do not change it, so any node count will do here)."""
+    return layout_of(cfg.trainer, world_size, world_size).dp
 
 
 def replica_rank(cfg: TrainConfig, env) -> int:
-    """Which share of the samples this process reads (a pipeline's stages all read the one share)."""
-    return 0 if cfg.trainer.strategy == "pipeline" else env.rank
+    """Which share of the samples this process reads."""
+    return layout_of(cfg.trainer, env.world_size, env.local_world_size).dp_rank(env.rank)
 
 
 def train_size(dataset, cfg: TrainConfig) -> int:

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from train.config import TrainerConfig
 from train.dist import DistEnv
+from train.layout import layout_of
 
 COMPRESSED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD_COMPRESSIONS = ("none", *COMPRESSED_DTYPES)
@@ -37,8 +38,9 @@ class Strategy:
         self.cfg = cfg
         self.env = env
         self.device = device
-        self.replicas = env.world_size  # processes that read different samples
-        self.replica_rank = env.rank  # which share of the samples this process reads
+        self.layout = layout_of(cfg, env.world_size, env.local_world_size)
+        self.replicas = self.layout.dp  # processes that read different samples
+        self.replica_rank = self.layout.dp_rank(env.rank)  # which share of the samples this process reads
 
     @property
     def parameter_device(self) -> torch.device:
@@ -126,16 +128,18 @@ class DDPStrategy(Strategy):
 
 
 @torch.no_grad()
-def clip_global_norm(grads: list[torch.Tensor], max_norm: float, device: torch.device, copies: int = 1) -> torch.Tensor:
+def clip_global_norm(grads: list[torch.Tensor], max_norm: float, device: torch.device,
+                     copies: int | list[int] = 1) -> torch.Tensor:
     """Clip gradients held in pieces across ranks (shards, stages) by the norm of all of them, as
     nn.utils.clip_grad_norm_ would on the whole: each rank's sum of squares is all-reduced on `device` (where the
     backend reduces), then every piece is scaled by the same factor. `copies`: how many ranks hold each piece (HSDP's
-    replicas), counted once. Collective. Returns the total norm."""
+    replicas; under tensor parallelism, per piece), counted once. Collective. Returns the total norm."""
+    weights = copies if isinstance(copies, list) else [copies] * len(grads)
     squares = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        squares += g.float().square().sum().to(device)
+    for g, held in zip(grads, weights):
+        squares += g.float().square().sum().to(device) / held
     dist.all_reduce(squares)
-    total = (squares / copies).sqrt()
+    total = squares.sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(scale.to(g.device, g.dtype))

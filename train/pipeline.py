@@ -23,6 +23,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from train.config import TrainerConfig
 from train.dist import DistEnv
+from train.layout import layout_of
 from train.models import pipeline_stages
 from train.parallel import Strategy, call_model, clip_global_norm
 
@@ -40,14 +41,21 @@ class PipelineStrategy(Strategy):
     name = "pipeline"
 
     def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv, device: torch.device):
-        kept = stage_blocks(len(pipeline_stages(model)), env.world_size, env.rank)
+        layout = layout_of(cfg, env.world_size, env.local_world_size)
+        self.stages, self.stage = layout.pp, layout.coordinates(env.rank)["pp"]
+        kept = stage_blocks(len(pipeline_stages(model)), self.stages, self.stage)
         for index, name in enumerate(list(model._modules)):
             if index not in kept:
                 del model._modules[name]  # the others' blocks: this rank never holds their weights
-        super().__init__(model, cfg, env, device)
-        self.replicas, self.replica_rank = 1, 0
-        self.first, self.last = env.rank == 0, env.rank == env.world_size - 1
-        stage = PipelineStage(model, env.rank, env.world_size, device)
+        super().__init__(model, cfg, env, device)  # its layout: pp stages x dp copies of the pipeline
+        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
+        # The ranks of one copy of the pipeline (a stage's neighbours are `stride` ranks away), and the copies of
+        # this stage (whose gradients are averaged).
+        self.stride = layout.dp * layout.tp
+        mesh = layout.mesh(device.type, always=("pp",)) if layout.dp > 1 else None
+        self.pipe_group = mesh["pp"].get_group() if mesh is not None else None
+        self.copies_group = mesh["dp_replicate"].get_group() if mesh is not None else None
+        stage = PipelineStage(model, self.stage, self.stages, device, group=self.pipe_group)
         self.schedule = SCHEDULES[cfg.pipeline_schedule](stage, cfg.microbatches, loss_fn=self._loss, scale_grads=False)
         self.loss = None  # the task's, set by forward_backward: the last stage computes it per microbatch
 
@@ -60,13 +68,19 @@ class PipelineStrategy(Strategy):
         losses: list[torch.Tensor] = []
         with autocast():
             self.schedule.step(*([inputs] if self.first else []), target=targets, losses=losses, return_outputs=False)
+        if sync and self.copies_group is not None:  # the copies of this stage read different samples: average
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.copies_group)
+                    p.grad.div_(self.layout.dp)
         if not self.last:
             return torch.zeros((), device=self.device)
         return torch.stack(losses).sum().detach()
 
     def clip_grad_norm(self, max_norm: float) -> None:
-        """Clip by the norm over all stages' gradients."""
-        clip_global_norm([p.grad for p in self.model.parameters() if p.grad is not None], max_norm, self.device)
+        """Clip by the norm over all stages' gradients (each stage's held by its dp copies alike, counted once)."""
+        clip_global_norm([p.grad for p in self.model.parameters() if p.grad is not None], max_norm, self.device,
+                         copies=self.layout.dp)
 
     @torch.no_grad()
     def eval_forward(self, inputs, call=call_model):
@@ -79,15 +93,15 @@ class PipelineStrategy(Strategy):
 
     def _send(self, tensor: torch.Tensor) -> None:
         header = [WIRE_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-        dist.send(torch.tensor(header + [0] * (HEADER - len(header)), device=self.device), dst=self.env.rank + 1)
-        dist.send(tensor.contiguous(), dst=self.env.rank + 1)
+        dist.send(torch.tensor(header + [0] * (HEADER - len(header)), device=self.device), dst=self.env.rank + self.stride)
+        dist.send(tensor.contiguous(), dst=self.env.rank + self.stride)
 
     def _receive(self) -> torch.Tensor:
         header = torch.empty(HEADER, dtype=torch.long, device=self.device)
-        dist.recv(header, src=self.env.rank - 1)
+        dist.recv(header, src=self.env.rank - self.stride)
         dtype, ndim, *sizes = header.tolist()
         tensor = torch.empty(sizes[:ndim], dtype=WIRE_DTYPES[dtype], device=self.device)
-        dist.recv(tensor, src=self.env.rank - 1)
+        dist.recv(tensor, src=self.env.rank - self.stride)
         return tensor
 
     def sync_buffers(self) -> None:
@@ -97,6 +111,9 @@ class PipelineStrategy(Strategy):
         parts = self._gather({k: v.cpu() for k, v in self.model.state_dict().items()})
         return {k: v for part in parts for k, v in part.items()} if self.env.is_main else {}
 
+    def _copy_zero(self) -> bool:
+        return self.layout.dp_rank(self.env.rank) == 0
+
     def load_model_state(self, state: dict) -> None:
         self.model.load_state_dict({k: state[k] for k in self.model.state_dict()})
 
@@ -105,18 +122,18 @@ class PipelineStrategy(Strategy):
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state) -> None:
         stages = state["stages"]
-        if len(stages) != self.env.world_size:
+        if len(stages) != self.stages:
             raise ValueError(
-                f"this checkpoint holds a pipeline of {len(stages)} stages, and this run has {self.env.world_size}: "
-                f"resume with {len(stages)} processes, or start a new run directory."
+                f"this checkpoint holds a pipeline of {len(stages)} stages, and this run has {self.stages}: resume "
+                f"with trainer.pp={len(stages)}, or start a new run directory."
             )
-        optimizer.load_state_dict(stages[self.env.rank])
+        optimizer.load_state_dict(stages[self.stage])
 
     def _gather(self, obj) -> list:
-        """Every stage's `obj` on rank 0, in stage order (None elsewhere)."""
+        """Every stage's `obj` on rank 0, in stage order, from the first copy of the pipeline (None elsewhere)."""
         parts: list = [None] * self.env.world_size if self.env.is_main else None
-        dist.gather_object(obj, parts, dst=0)
-        return parts
+        dist.gather_object(obj if self._copy_zero() else None, parts, dst=0)
+        return [p for p in parts if p is not None] if self.env.is_main else parts
 
 
 def _to_cpu(tree):

@@ -164,7 +164,8 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     optimizer = build_optimizer(cfg.optim, strategy.model, plan.lr)
     scheduler = build_scheduler(optimizer, cfg.optim.schedule, plan)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.trainer.precision == "fp16")
-    seed_rank(cfg.trainer.seed + env.rank)  # per-rank randomness (dropout) differs between ranks
+    # Per-rank randomness (dropout) differs between ranks, except within a tp group: its ranks hold one activation.
+    seed_rank(cfg.trainer.seed + env.rank // strategy.layout.tp)
 
     saving = saving or control
     ckpt = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint, is_writer=env.is_main,
@@ -196,7 +197,7 @@ def build_initial_model(cfg: TrainConfig):
     """The model with the same initial weights on every rank: built whole, or under fsdp with trainer.meta_init on
     the meta device, with the recipes that give each rank its shards once sharded (train/meta_init.py)."""
     torch.manual_seed(cfg.trainer.seed)
-    if cfg.trainer.strategy == "fsdp" and cfg.trainer.meta_init:
+    if cfg.trainer.strategy == "fsdp" and cfg.trainer.meta_init and cfg.trainer.tp == 1:  # tp: built whole
         from hydra.utils import get_object
 
         get_object(cfg.model["_target_"])  # its module imported first: build_on_meta adapts to a Hugging Face model's
@@ -253,7 +254,8 @@ def describe_schedule(run: Run) -> str:
 def describe_plan(run: Run) -> str:
     cfg, plan = run.cfg, run.plan
     text = (
-        f"plan: {plan.world_size} processes ({cfg.trainer.strategy}), global batch {plan.global_batch} "
+        f"plan: {plan.world_size} processes ({cfg.trainer.strategy}"
+        f"{', ' + run.strategy.layout.describe() if run.strategy.layout.tp > 1 else ''}), global batch {plan.global_batch} "
         f"({cfg.data.batch_size} x {plan.replicas} replicas x {cfg.trainer.accumulate} accumulation), lr {plan.lr:.4g}, "
         f"lr schedule: {describe_schedule(run)}, {plan.steps_per_epoch} steps/epoch x {cfg.trainer.epochs} epochs = "
         f"{plan.total_steps} steps"
@@ -412,7 +414,7 @@ def fit(run: Run) -> Outcome:
             metrics.note("profile", profiled, progress.step)
         if progress.step % cfg.trainer.log_every == 0:
             values = {
-                **meter.reduce(plan.global_batch, plan.replicas),
+                **meter.reduce(plan.global_batch, plan.replicas, loss_copies=run.strategy.layout.tp),
                 "lr": run.scheduler.get_last_lr()[0],
                 "epoch": progress.step / plan.steps_per_epoch,
                 "restarts": restarts,

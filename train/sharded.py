@@ -18,7 +18,10 @@ whole model in host memory while saving.
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.distributed.checkpoint.state_dict import (
@@ -28,22 +31,31 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from train.build import compile_blocks
 from train.config import TrainerConfig
 from train.dist import DistEnv
+from train.layout import layout_of
 from train.models import blocks
 from train.parallel import Strategy, call_model, clip_global_norm
+from train.tensor_parallel import apply_tensor_parallel, model_plan
 
 def replica_groups(cfg: TrainerConfig, env: DistEnv) -> int:
     """How many copies of the sharded model there are (HSDP): trainer.fsdp_replicate, or with 0 one per node, so that
     the parameter all-gathers and gradient reduce-scatters of every step stay within a node (NVLink) and only the
-    all-reduce between the copies crosses nodes."""
-    if cfg.fsdp_replicate > 0:
-        return cfg.fsdp_replicate
-    return max(1, env.world_size // env.local_world_size)
+    all-reduce between the copies crosses nodes (train.layout)."""
+    return layout_of(cfg, env.world_size, env.local_world_size).dp_replicate
+
+
+def copies_of(tensor: torch.Tensor) -> int:
+    """How many ranks hold the same values as this rank's piece of a DTensor: its mesh's replicated dimensions
+    (HSDP's copies, the tp dimension of a norm's weight), times the ranks outside its mesh (a parameter that only
+    FSDP distributed lives on the data-parallel mesh; each rank of a tp group holds it the same). Every rank holds
+    a piece of every parameter here (no pipeline)."""
+    mesh, placements = tensor.device_mesh, tensor.placements
+    replicated = math.prod(mesh.size(i) for i, p in enumerate(placements) if p.is_replicate())
+    return replicated * dist.get_world_size() // mesh.size()
 
 
 def parameter_device(cfg: TrainerConfig, device: torch.device) -> torch.device:
@@ -82,14 +94,15 @@ class FSDPStrategy(Strategy):
     def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv, device: torch.device):
         super().__init__(model, cfg, env, device)
         model.to(memory_format=torch.contiguous_format)
-        self.copies = replica_groups(cfg, env)  # HSDP: every shard is held by this many ranks
-        if self.copies > 1:
-            mesh = init_device_mesh(device.type, (self.copies, env.world_size // self.copies),
-                                    mesh_dim_names=("replicate", "shard"))
-        else:
-            mesh = init_device_mesh(device.type, (env.world_size,))
+        layout = self.layout
+        self.copies = layout.dp_replicate  # HSDP: every shard is held by this many ranks
+        mesh = layout.mesh(device.type, always=("dp_shard",))
+        self.tp_rank = mesh["tp"].get_local_rank() if layout.tp > 1 else 0
+        if layout.tp > 1:  # first split the layers within the tp group, then shard what each rank holds
+            apply_tensor_parallel(model, model_plan(model, cfg.tp_plan), mesh["tp"])
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
         offload = CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy()
-        policy = {"mesh": mesh, "offload_policy": offload}
+        policy = {"mesh": dp_mesh, "offload_policy": offload}
         if cfg.compile:
             compile_blocks(model)
         for unit in shard_units(model):
@@ -109,8 +122,14 @@ class FSDPStrategy(Strategy):
     def clip_grad_norm(self, max_norm: float) -> None:
         """By the norm of the whole gradient: each rank's shards, summed over ranks on the training device (with CPU
         offload the shards are in host memory, and NCCL reduces only GPU tensors)."""
-        grads = [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
-        clip_global_norm(grads, max_norm, self.device, copies=self.copies)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        clip_global_norm([g.to_local() for g in grads], max_norm, self.device, copies=[copies_of(g) for g in grads])
+
+    @torch.no_grad()
+    def eval_forward(self, inputs, call=call_model):
+        """Every rank of a tp group runs the forward (its collectives); the first one's output is scored."""
+        output = call(self.model, inputs)
+        return output if self.tp_rank == 0 else None
 
     def model_state(self) -> dict:
         return get_model_state_dict(self.model, options=GATHER)

@@ -144,8 +144,9 @@ class Meter:
         if self.forward is not None:
             self.forward.take()
 
-    def reduce(self, global_batch: int, replicas: int) -> dict[str, float]:
+    def reduce(self, global_batch: int, replicas: int, loss_copies: int = 1) -> dict[str, float]:
         """Loss averaged over replicas and steps since the last call, throughput, and every rank's timing (collective).
+        `loss_copies`: ranks of one replica that each compute its whole loss (a tp group's), counted once.
 
         One all_gather carries each rank's loss sum, step time and data-wait time: a straggler or a data stall
         shows up by rank, and the interval costs a single collective.
@@ -164,7 +165,7 @@ class Meter:
         dist.all_gather(table, mine)
         loss, step_time, data_time, forward_time, tokens = torch.stack(table).double().cpu().unbind(1)  # a value per rank
         values = {
-            "loss": loss.sum().item() / replicas / max(1, self.steps),  # ranks without a loss add zeros
+            "loss": loss.sum().item() / replicas / loss_copies / max(1, self.steps),  # ranks without a loss add zeros
             "samples_per_s": self.timed_steps * global_batch / elapsed,
             # Ranks that read the same batches (a pipeline's stages) count them once.
             **(token_figures(tokens.sum().item() * replicas / len(table) / elapsed, len(table), self.flops_per_token,

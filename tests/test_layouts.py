@@ -1,0 +1,115 @@
+"""Parallel layouts on one device mesh (train.layout): tensor parallelism (train.tensor_parallel) splits the GPT 2
+ways by heads and hidden units and reaches one process's weights; composed with FSDP over the other 2 ranks it
+reaches DDP's on 4; its sharded checkpoints resume under another layout; a pipeline of 2 stages copied twice
+reaches one process. Real processes, gloo: DTensor runs on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAST, read_metrics, run_cli
+from test_config import problems
+from train.layout import Layout, LayoutError, layout_of
+from train.config import TrainerConfig
+
+SMALL_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def gpt_run(corpus, run_dir, *overrides: str):
+    base = [*FAST, "+experiment=gpt_tiny", "data=tokens", f"data.root={corpus}", *SMALL_GPT, "trainer.eval_every=0",
+            "trainer.log_every=4", "trainer.grad_clip=1.0", "checkpoint.every_steps=4"]
+    proc = run_cli("launcher", *base, *overrides, f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def weights(run_dir, step: int) -> dict:
+    """The model of the checkpoint of `step`, whichever format holds it."""
+    from conftest import checkpoint_at
+
+    return checkpoint_at(run_dir, step)["model"]
+
+
+def evals(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "eval"}
+
+
+def assert_same(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], **TOLERANCE, msg=f"{what}: {name} differs")
+
+
+def test_the_layout_orders_ranks_tp_innermost_and_refuses_what_does_not_divide():
+    layout = Layout(pp=1, dp_replicate=2, dp_shard=2, tp=2)
+    assert layout.world_size == 8 and layout.dp == 4
+    assert [layout.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # a tp group reads one share
+    assert layout.coordinates(5) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "tp": 1}
+    fsdp = TrainerConfig(strategy="fsdp", tp=2, fsdp_replicate=0)
+    assert layout_of(fsdp, 8, 4) == Layout(dp_replicate=2, dp_shard=2, tp=2)  # a copy per node of 4
+    assert layout_of(TrainerConfig(strategy="ddp"), 4, 4) == Layout(dp_replicate=4)
+    assert layout_of(TrainerConfig(strategy="pipeline"), 4, 4) == Layout(pp=4)
+    with pytest.raises(LayoutError, match=r"trainer.tp=3 must divide the world size \(8 processes\)"):
+        layout_of(TrainerConfig(strategy="fsdp", tp=3), 8, 8)
+
+
+def test_a_layout_or_a_plan_that_does_not_fit_is_refused_before_start(tmp_path):
+    gpt = ["+experiment=gpt_tiny", "data=synthetic", "trainer.strategy=fsdp"]
+    assert "trainer.tp=3 must divide the world size (2 processes)" in \
+        problems(*gpt, "trainer.procs_per_node=2", "trainer.tp=3", run_dir=tmp_path)
+    assert "trainer.tp=4 does not divide the 2 attention heads of blocks.0.attn.q" in \
+        problems(*gpt, "trainer.procs_per_node=4", "trainer.tp=4", "model.n_head=2", "model.n_embd=64", run_dir=tmp_path)
+    assert "trainer.tp=2 composes with trainer.strategy=fsdp" in \
+        problems("trainer.procs_per_node=2", "trainer.tp=2", run_dir=tmp_path)
+    assert "the model has no tensor-parallel plan" in \
+        problems("trainer.procs_per_node=2", "trainer.tp=2", "trainer.strategy=fsdp", run_dir=tmp_path)
+    assert "trainer.tp_plan names no module of the model" in \
+        problems("trainer.procs_per_node=2", "trainer.tp=2", "trainer.strategy=fsdp",
+                 "+trainer.tp_plan={fc*: colwise}", run_dir=tmp_path)
+
+
+def test_tp2_reaches_one_process_and_its_checkpoint_resumes_as_one_process(corpus, tmp_path):
+    """AdamW with clipping, 8 steps split 2 ways (the same batch on both ranks of the tp group) against 1 process;
+    then the sharded checkpoint of step 8 resumed by 1 process to step 12, against the straight run."""
+    gpt_run(corpus, tmp_path / "one", "trainer.procs_per_node=1", "data.batch_size=16", "trainer.max_steps=12",
+                  "trainer.eval_every_steps=8")
+    tp = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.tp=2",
+                 "data.batch_size=16", "trainer.max_steps=8")
+    assert "plan: 2 processes (fsdp, 2 tp)" in tp.stdout and "1 replicas" in tp.stdout
+    assert_same(weights(tmp_path / "one", 8), weights(tmp_path / "tp", 8), "tp=2 at step 8")
+    assert evals(tmp_path / "tp")[8] == pytest.approx(evals(tmp_path / "one")[8], rel=1e-6)  # exact evaluation
+    train = [r for r in read_metrics(tmp_path / "tp") if r["kind"] == "train"]
+    reference = [r for r in read_metrics(tmp_path / "one") if r["kind"] == "train"]
+    assert train[-1]["loss"] == pytest.approx(reference[1]["loss"], rel=1e-5)  # the tp group's loss counted once
+
+    resumed = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=1", "checkpoint.format=dcp", "data.batch_size=16",
+                      "trainer.max_steps=12")
+    assert "resumed at step 8" in resumed.stdout
+    assert_same(weights(tmp_path / "one", 12), weights(tmp_path / "tp", 12), "tp=2 resumed by 1 process")
+
+
+def test_tp2_by_fsdp2_reaches_ddp_on_4_and_resumes_as_fsdp_on_4(corpus, tmp_path):
+    """4 processes: tp groups {0,1} and {2,3}, each reading half the batch, sharded over the other dimension."""
+    gpt_run(corpus, tmp_path / "ddp", "trainer.procs_per_node=4", "data.batch_size=8", "trainer.max_steps=12")
+    layered = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "trainer.tp=2",
+                      "trainer.fsdp_replicate=1", "data.batch_size=16", "trainer.max_steps=8")
+    assert "plan: 4 processes (fsdp, 2 dp_shard x 2 tp)" in layered.stdout
+    assert_same(weights(tmp_path / "ddp", 8), weights(tmp_path / "tp", 8), "tp=2 x fsdp=2 at step 8")
+    resumed = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "data.batch_size=8",
+                      "trainer.max_steps=12")
+    assert "resumed at step 8" in resumed.stdout
+    assert_same(weights(tmp_path / "ddp", 12), weights(tmp_path / "tp", 12), "resumed as fsdp=4")
+
+
+def test_a_two_stage_pipeline_copied_twice_reaches_one_process(corpus, tmp_path):
+    """4 processes: stages {0, 2} and {1, 3} (a stage's copies average their gradients), each copy of the pipeline
+    reading half the batch in 2 microbatches; clipping by the norm over both stages, each counted once."""
+    pipeline = ["model._target_=train.gpt.GPTPipeline", "~model.tie_weights", "trainer.max_steps=8"]
+    gpt_run(corpus, tmp_path / "one", *pipeline, "trainer.procs_per_node=1", "data.batch_size=32")
+    staged = gpt_run(corpus, tmp_path / "staged", *pipeline, "trainer.procs_per_node=4", "trainer.strategy=pipeline",
+                     "trainer.pp=2", "trainer.microbatches=2", "data.batch_size=16")
+    assert "global batch 32 (16 x 2 replicas x 1 accumulation)" in staged.stdout
+    assert_same(weights(tmp_path / "one", 8), weights(tmp_path / "staged", 8), "2 stages x 2 copies")
+    assert evals(tmp_path / "staged")[8] == pytest.approx(evals(tmp_path / "one")[8], rel=1e-5)
