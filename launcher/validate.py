@@ -157,7 +157,8 @@ def _check_tensor_parallel(cfg: Config, problems: list[str], targets_ok: bool) -
         problems.append(f"trainer.compile=true with trainer.tp={t.tp} is not supported yet: leave one of them out.")
     if targets_ok:
         model = _model_on_meta(cfg)
-        problems.extend(problems_with(model, model_plan(model, t.tp_plan), t.tp))
+        problems.extend(problems_with(model, model_plan(model, t.tp_plan, t.sequence_parallel), t.tp,
+                                      t.sequence_parallel))
 
 
 def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
@@ -175,6 +176,9 @@ def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
                             f"use here: use trainer.precision=bf16 (no scaler needed).")
     if t.tp != 1:
         _check_tensor_parallel(cfg, problems, targets_ok)
+    elif t.sequence_parallel or t.tp_plan:
+        problems.append(f"trainer.{'sequence_parallel' if t.sequence_parallel else 'tp_plan'} applies with "
+                        f"trainer.tp > 1 only: set trainer.tp, or leave it out.")
     copies = t.fsdp_replicate
     if copies < 0 or (copies > 0 and world_size(cfg) % copies):
         problems.append(f"trainer.fsdp_replicate={copies}: the copies of the sharded model must divide the world size "

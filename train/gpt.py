@@ -75,11 +75,13 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
-    def tensor_parallel_plan(self) -> dict[str, str]:
+    def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         """Megatron's split of each block (trainer.tp): the attention's q, k, v and the MLP's first layer by output
         columns (each rank its heads, its hidden units), their output projections by input rows (one all-reduce
-        each). Embeddings, norms and the output projection stay whole on every rank."""
-        return TENSOR_PARALLEL_PLAN
+        each). Embeddings, norms and the output projection stay whole on every rank; with sequence parallelism
+        (Megatron-SP, torchtitan's) the embeddings, norms and residual stream hold a share of the positions, and
+        the token table and the (tied) output projection are split by vocabulary rows."""
+        return SEQUENCE_PARALLEL_PLAN if sequence_parallel else TENSOR_PARALLEL_PLAN
 
     def flops_per_token(self, length: int | None = None) -> float:
         """Training FLOPs per token (forward + backward), nanoGPT's and PaLM's convention: 6 x the parameters that
@@ -134,6 +136,15 @@ class GPTPipeline(nn.Sequential):
 
 TENSOR_PARALLEL_PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
                         "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+
+
+SEQUENCE_PARALLEL_PLAN = {
+    "wte": "embedding_sequence", "wpe": "positions_sequence", "blocks.*.ln_1": "sequence", "blocks.*.ln_2": "sequence",
+    "blocks.*.attn": "gather_sequence", "blocks.*.mlp": "gather_sequence", "blocks.*.attn.q": "colwise",
+    "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise_sequence",
+    "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise_sequence", "ln_f": "sequence",
+    "head": "colwise_from_sequence",
+}
 
 
 def init_weights(model: nn.Module, n_layer: int) -> None:

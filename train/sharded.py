@@ -99,7 +99,7 @@ class FSDPStrategy(Strategy):
         mesh = layout.mesh(device.type, always=("dp_shard",))
         self.tp_rank = mesh["tp"].get_local_rank() if layout.tp > 1 else 0
         if layout.tp > 1:  # first split the layers within the tp group, then shard what each rank holds
-            apply_tensor_parallel(model, model_plan(model, cfg.tp_plan), mesh["tp"])
+            apply_tensor_parallel(model, model_plan(model, cfg.tp_plan, cfg.sequence_parallel), mesh["tp"])
         dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
         offload = CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy()
         policy = {"mesh": dp_mesh, "offload_policy": offload}

@@ -2,10 +2,12 @@
 torch.distributed.tensor.parallel (`parallelize_module`, `ColwiseParallel`, `RowwiseParallel`).
 
 The plan says which modules split how: `trainer.tp_plan` (module name pattern -> style), else the model's own
-`tensor_parallel_plan()` (train.gpt.GPT has one), else a Hugging Face model's `config.base_model_tp_plan`. A model
-without one is refused before start. Styles: colwise (the output features split: each rank its heads, its hidden
-units; the input whole), rowwise (the input features split, the output all-reduced whole): a colwise layer
-followed by a rowwise one costs one all-reduce forward and one backward.
+`tensor_parallel_plan()` (train.gpt.GPT has one, with and without sequence parallelism), else a Hugging Face
+model's `config.base_model_tp_plan`. A model without one is refused before start. Styles: colwise (the output
+features split: each rank its heads, its hidden units; the input whole), rowwise (the input features split, the
+output all-reduced whole): a colwise layer followed by a rowwise one costs one all-reduce forward and one backward.
+With trainer.sequence_parallel the activations between them are cut along the sequence (SEQUENCE_STYLES): the
+all-reduces become an all-gather and a reduce-scatter, and the norms and residuals hold 1/tp of the tokens.
 
 The ranks of a tp group read the same batch; the modules outside the plan hold whole copies, whose gradients are
 the same on every rank of the group.
@@ -17,17 +19,28 @@ import fnmatch
 
 from torch import nn
 
-STYLES = ("colwise", "rowwise")
+SPLITS = ("colwise", "rowwise")  # the styles that split an nn.Linear's features
+# Sequence parallelism (trainer.sequence_parallel): between the split layers the activations are cut along the
+# sequence instead of held whole by every rank of the tp group (norms, dropout, residual adds on 1/tp of the tokens).
+SEQUENCE_STYLES = (
+    "sequence",  # a norm on its share of the positions
+    "gather_sequence",  # a module whose input is all-gathered along the sequence (attention, MLP)
+    "rowwise_sequence",  # rowwise, its output reduce-scattered along the sequence instead of all-reduced
+    "embedding_sequence",  # an nn.Embedding split by rows (vocabulary), its output a share of the positions
+    "positions_sequence",  # a position table looked up whole and cut: its share of the positions (dim 0)
+    "colwise_from_sequence",  # colwise, its input gathered along the sequence, its output whole (the head)
+)
+STYLES = SPLITS + SEQUENCE_STYLES
 HUGGING_FACE_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": None, "rowwise_rep": None}
 
 
-def model_plan(model: nn.Module, configured: dict[str, str]) -> dict[str, str]:
+def model_plan(model: nn.Module, configured: dict[str, str], sequence_parallel: bool = False) -> dict[str, str]:
     """The plan to apply: the config's, the model's own, or a Hugging Face model's (module pattern -> style)."""
     if configured:
         return dict(configured)
     own = getattr(model, "tensor_parallel_plan", None)
     if callable(own):
-        return dict(own())
+        return dict(own(sequence_parallel=sequence_parallel) if sequence_parallel else own())
     hf = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
     if hf:
         prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") and \
@@ -47,7 +60,7 @@ def matched(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return found
 
 
-def problems_with(model: nn.Module, plan: dict[str, str], tp: int) -> list[str]:
+def problems_with(model: nn.Module, plan: dict[str, str], tp: int, sequence_parallel: bool = False) -> list[str]:
     """What stops this plan from splitting this model tp ways (empty: it can)."""
     if not plan:
         return [f"trainer.tp={tp}: the model has no tensor-parallel plan (no tensor_parallel_plan() method, no Hugging "
@@ -55,7 +68,14 @@ def problems_with(model: nn.Module, plan: dict[str, str], tp: int) -> list[str]:
                 f"'trainer.tp_plan={{layers.*.fc1: colwise, layers.*.fc2: rowwise}}'), or use trainer.tp=1."]
     bad = sorted({s for s in plan.values() if s not in STYLES})
     if bad:
-        return [f"trainer.tp_plan: {', '.join(bad)} is not a style: use colwise or rowwise."]
+        return [f"trainer.tp_plan: {', '.join(bad)} is not a style: use one of {', '.join(STYLES)}."]
+    if sequence_parallel and not any(s in SEQUENCE_STYLES for s in plan.values()):
+        return ["trainer.sequence_parallel=true, but the tensor-parallel plan has no sequence-parallel styles (the "
+                "model's plan does not offer one): give them in trainer.tp_plan, or set trainer.sequence_parallel=false."]
+    length = getattr(model, "block_size", 0)
+    if sequence_parallel and isinstance(length, int) and length % tp:
+        return [f"trainer.sequence_parallel=true cuts the sequence {tp} ways, but the model's block_size={length} does "
+                f"not divide by trainer.tp={tp}: pick a divisor."]
     layers = matched(model, plan)
     if not layers:
         return [f"trainer.tp_plan names no module of the model (patterns: {', '.join(plan)}): match names as "
@@ -63,6 +83,8 @@ def problems_with(model: nn.Module, plan: dict[str, str], tp: int) -> list[str]:
     out = []
     for name, style in layers.items():
         module = model.get_submodule(name)
+        if style not in SPLITS:
+            continue
         if not isinstance(module, nn.Linear):
             out.append(f"trainer.tp_plan: {name} is a {type(module).__name__}; only nn.Linear layers split here.")
             continue
@@ -79,9 +101,41 @@ def problems_with(model: nn.Module, plan: dict[str, str], tp: int) -> list[str]:
     return out[:3] + ([f"and {len(out) - 3} more like these"] if len(out) > 3 else [])
 
 
-def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh) -> None:
-    """Split the plan's layers over the 1-D `mesh` (the tp dimension), in place."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def parallel_style(style: str):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, mesh, {name: styles[style]() for name, style in matched(model, plan).items()})
+    return {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "sequence": lambda: SequenceParallel(use_local_output=True),
+        "gather_sequence": lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "rowwise_sequence": lambda: RowwiseParallel(output_layouts=Shard(1)),
+        "embedding_sequence": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "positions_sequence": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "colwise_from_sequence": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }[style]()
+
+
+def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh) -> None:
+    """Split the plan's layers over the 1-D `mesh` (the tp dimension), in place. Weights that were tied (an
+    output projection sharing the embedding) are tied again: each module's split replaced its own parameter."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    ties = tied_parameters(model)
+    parallelize_module(model, mesh, {name: parallel_style(style) for name, style in matched(model, plan).items()})
+    for first, *others in ties:
+        shared = model.get_parameter(first)
+        for name in others:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, attribute, shared)
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one tensor (more than one name each)."""
+    names: dict[int, list[str]] = {}
+    for module_name, module in model.named_modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            names.setdefault(id(parameter), []).append(f"{module_name}.{name}" if module_name else name)
+    return [group for group in names.values() if len(group) > 1]
