@@ -1,11 +1,13 @@
-"""The model's forward and the task's loss on one batch, on the meta device, before any process starts.
+"""The model's forward and the task's loss on one batch, before any process starts.
 
-Meta tensors carry shapes and dtypes but no memory and no arithmetic, so this costs nothing for any model size: a
-model whose layers do not fit the data (an MLP for 28x28 images given 16x16 ones, a context shorter than the token
-windows) fails here with the keys that shape the batch, instead of inside every worker. One sample of the training
-set is read (map-style sets only: a stream is not started here) and given data.batch_size as its batch dimension.
-A model that the meta device cannot run (an op without a meta kernel, a value read back with .item()) is not
-judged: only shape errors are reported.
+A model whose layers do not fit the data (an MLP for 28x28 images given 16x16 ones, a context shorter than the
+token windows) fails here with the keys that shape the batch, instead of inside every worker. One sample of the
+training set is read (map-style sets only: a stream is not started here). A small model (under SMALL_PARAMETERS)
+runs for real on the CPU, on that sample repeated twice, in eval mode: milliseconds, where the meta device's first
+forward costs a second of imports on every launch. A larger one runs on the meta device, whose tensors carry shapes
+and dtypes but no memory and no arithmetic, with data.batch_size as the batch dimension; a model that the meta
+device cannot run (an op without a meta kernel, a value read back with .item()) is not judged there: only shape
+errors are reported.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 
 from launcher.schema import Config
 
+SMALL_PARAMETERS = 20_000_000  # below this the check runs for real on the CPU (80 MB of float32 at most)
+SMALL_BATCH_ELEMENTS = 1_000_000  # a real batch this small has data.batch_size samples; a larger one has 2
 # What a forward that only fails because it ran on the meta device says.
 NOT_ON_META = ("meta", "Cannot copy out of meta", "data pointer", "item()", "is not implemented for")
 
@@ -26,6 +30,16 @@ def _shapes(batch) -> str:
     if isinstance(batch, (list, tuple)):
         return "(" + ", ".join(_shapes(v) for v in batch) + ")"
     return type(batch).__name__
+
+
+def _elements(batch) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.numel()
+    if isinstance(batch, dict):
+        return sum(_elements(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(_elements(v) for v in batch)
+    return 0
 
 
 def _shape_keys(cfg: Config) -> str:
@@ -43,11 +57,11 @@ def _shape_keys(cfg: Config) -> str:
 def check_one_batch(cfg: Config, problems: list[str]) -> None:
     from train.build import build_model, build_task
     from train.data import build_dataset
-    from train.forecast import meta_batch
+    from train.forecast import first_sample, grow
     from train.step import model_call
 
-    batch = meta_batch(cfg, build_dataset(cfg.data.train))
-    if batch is None:
+    sample = first_sample(cfg, build_dataset(cfg.data.train))
+    if sample is None:
         return
     task = build_task(cfg)
     try:
@@ -55,7 +69,13 @@ def check_one_batch(cfg: Config, problems: list[str]) -> None:
             model = build_model(cfg)
     except Exception:  # noqa: BLE001 (a model that loads its weights, e.g. from_pretrained, refuses the meta device)
         return
+    small = sum(p.numel() for p in model.parameters()) < SMALL_PARAMETERS
+    # The configured batch where it is small too (the errors then name its size), else two samples.
+    size = cfg.data.batch_size if _elements(sample) * cfg.data.batch_size <= SMALL_BATCH_ELEMENTS else 2
+    batch = grow(sample, size if small else cfg.data.batch_size, meta=not small)
     try:
+        if small:
+            model = build_model(cfg).eval()  # eval: batch statistics and dropout play no part in a shape check
         inputs, targets = task.split(batch)
         with torch.no_grad():
             output = model_call(task)(model, inputs)
@@ -65,7 +85,8 @@ def check_one_batch(cfg: Config, problems: list[str]) -> None:
         if isinstance(error, NotImplementedError) or any(hint in message for hint in NOT_ON_META):
             return  # the meta device cannot run it: not a judgement on the shapes
         problems.append(
-            f"model._target_={cfg.model['_target_']} does not fit the data: on a batch of {_shapes(batch)} "
+            f"model._target_={cfg.model['_target_']} does not fit the data: on a batch of "
+            f"{_shapes(grow(sample, cfg.data.batch_size, meta=True))} "
             f"({_shape_keys(cfg)}) its forward or the task's loss fails with {type(error).__name__}: {message[:400].rstrip('.')}. "
             f"Make the model's arguments match the data (e.g. its input size), or the data's shape keys match the model."
         )

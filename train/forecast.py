@@ -49,31 +49,39 @@ def optimizer_state_bytes(cfg: TrainConfig, model: nn.Module, lr: float) -> int:
     return sum(local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
 
-def meta_batch(cfg: TrainConfig, dataset):
-    """One micro-batch of meta tensors: the first sample's shapes and dtypes, data.batch_size as the batch dimension
-    (no memory). None for a stream (an iterable data set is not started for this)."""
+def first_sample(cfg: TrainConfig, dataset):
+    """The training set's first sample as a batch of one (collated as the trainer does); None for a stream (an
+    iterable data set is not started for this)."""
     from torch.utils.data import IterableDataset, default_collate
 
     from train.data import TensorData
 
     if isinstance(dataset, TensorData):  # a built-in set, served from memory as (normalised images, labels)
-        one = (dataset.images[:1].float(), dataset.labels[:1])
-    elif isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+        return dataset.images[:1].float(), dataset.labels[:1]
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
         return None
-    else:
-        one = (instantiate(cfg.data.collate_fn) if cfg.data.collate_fn else default_collate)([dataset[0]])
+    return (instantiate(cfg.data.collate_fn) if cfg.data.collate_fn else default_collate)([dataset[0]])
 
-    def grow(value):
-        if isinstance(value, torch.Tensor):
-            shape = (cfg.data.batch_size, *value.shape[1:]) if value.dim() else ()
-            return torch.empty(shape, dtype=value.dtype, device="meta")
-        if isinstance(value, dict):
-            return {k: grow(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(grow(v) for v in value)
-        return value
 
-    return grow(one)
+def grow(batch, size: int, meta: bool):
+    """A batch of one grown to `size` samples: meta tensors (shapes and dtypes, no memory) or the sample repeated."""
+    if isinstance(batch, torch.Tensor):
+        if not batch.dim():
+            return torch.empty((), dtype=batch.dtype, device="meta") if meta else batch
+        shape = (size, *batch.shape[1:])
+        return torch.empty(shape, dtype=batch.dtype, device="meta") if meta else batch[:1].expand(shape).clone()
+    if isinstance(batch, dict):
+        return {k: grow(v, size, meta) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(grow(v, size, meta) for v in batch)
+    return batch
+
+
+def meta_batch(cfg: TrainConfig, dataset):
+    """One micro-batch of meta tensors: the first sample's shapes and dtypes, data.batch_size as the batch dimension
+    (no memory). None for a stream."""
+    one = first_sample(cfg, dataset)
+    return None if one is None else grow(one, cfg.data.batch_size, meta=True)
 
 
 class _FlashAttention(torch.autograd.Function):
