@@ -143,6 +143,10 @@ def _model_on_meta(cfg: Config):
         return build_model(cfg)
 
 
+# Tasks whose loss is a plain cross-entropy over the output's last dimension (torch's loss_parallel computes it on shards).
+LOSS_PARALLEL_TASKS = ("train.tasks.LanguageModeling",)
+
+
 def _check_tensor_parallel(cfg: Config, problems: list[str], targets_ok: bool) -> None:
     t = cfg.trainer
     try:
@@ -157,8 +161,12 @@ def _check_tensor_parallel(cfg: Config, problems: list[str], targets_ok: bool) -
         problems.append(f"trainer.compile=true with trainer.tp={t.tp} is not supported yet: leave one of them out.")
     if targets_ok:
         model = _model_on_meta(cfg)
-        problems.extend(problems_with(model, model_plan(model, t.tp_plan, t.sequence_parallel), t.tp,
-                                      t.sequence_parallel))
+        problems.extend(problems_with(model, model_plan(model, t.tp_plan, t.sequence_parallel, t.loss_parallel), t.tp,
+                                      t.sequence_parallel, t.loss_parallel))
+    if t.loss_parallel and cfg.task and str(cfg.task["_target_"]) not in LOSS_PARALLEL_TASKS:
+        problems.append(f"trainer.loss_parallel=true computes the cross-entropy on logits split by vocabulary, which "
+                        f"task._target_={cfg.task['_target_']} does not do: use it with "
+                        f"{' or '.join(LOSS_PARALLEL_TASKS)}, or set trainer.loss_parallel=false.")
 
 
 def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
@@ -176,9 +184,9 @@ def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
                             f"use here: use trainer.precision=bf16 (no scaler needed).")
     if t.tp != 1:
         _check_tensor_parallel(cfg, problems, targets_ok)
-    elif t.sequence_parallel or t.tp_plan:
-        problems.append(f"trainer.{'sequence_parallel' if t.sequence_parallel else 'tp_plan'} applies with "
-                        f"trainer.tp > 1 only: set trainer.tp, or leave it out.")
+    elif t.sequence_parallel or t.loss_parallel or t.tp_plan:
+        key = "sequence_parallel" if t.sequence_parallel else "loss_parallel" if t.loss_parallel else "tp_plan"
+        problems.append(f"trainer.{key} applies with trainer.tp > 1 only: set trainer.tp, or leave it out.")
     copies = t.fsdp_replicate
     if copies < 0 or (copies > 0 and world_size(cfg) % copies):
         problems.append(f"trainer.fsdp_replicate={copies}: the copies of the sharded model must divide the world size "

@@ -68,6 +68,10 @@ def test_a_layout_or_a_plan_that_does_not_fit_is_refused_before_start(tmp_path):
     assert "trainer.sequence_parallel=true, but the tensor-parallel plan has no sequence-parallel styles" in \
         problems(*gpt, "trainer.procs_per_node=2", "trainer.tp=2", "trainer.sequence_parallel=true",
                  "+trainer.tp_plan={blocks.*.mlp.0: colwise}", run_dir=tmp_path)
+    assert "trainer.loss_parallel=true computes the cross-entropy on logits split by vocabulary, which " \
+           "task._target_=train.tasks.Classification does not do" in \
+        problems("trainer.procs_per_node=2", "trainer.tp=2", "trainer.strategy=fsdp", "trainer.loss_parallel=true",
+                 "+trainer.tp_plan={fc*: colwise}", run_dir=tmp_path)
     assert "trainer.tp_plan names no module of the model" in \
         problems("trainer.procs_per_node=2", "trainer.tp=2", "trainer.strategy=fsdp",
                  "+trainer.tp_plan={fc*: colwise}", run_dir=tmp_path)
@@ -92,10 +96,11 @@ def test_tp2_reaches_one_process_and_its_checkpoint_resumes_as_one_process(corpu
     assert "resumed at step 8" in resumed.stdout
     assert_same(weights(tmp_path / "one", 12), weights(tmp_path / "tp", 12), "tp=2 resumed by 1 process")
 
-    # Sequence parallel: the residual stream cut along the sequence, the tied vocabulary table split by rows.
+    # Sequence parallel (the residual stream cut along the sequence, the tied vocabulary table split by rows) and
+    # loss parallel (the logits left split by vocabulary for the cross-entropy).
     gpt_run(corpus, tmp_path / "sp", "trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.tp=2",
-            "trainer.sequence_parallel=true", "data.batch_size=16", "trainer.max_steps=8")
-    assert_same(weights(tmp_path / "one", 8), weights(tmp_path / "sp", 8), "tp=2 with sequence parallelism")
+            "trainer.sequence_parallel=true", "trainer.loss_parallel=true", "data.batch_size=16", "trainer.max_steps=8")
+    assert_same(weights(tmp_path / "one", 8), weights(tmp_path / "sp", 8), "tp=2 with sequence and loss parallelism")
     assert evals(tmp_path / "sp")[8] == pytest.approx(evals(tmp_path / "one")[8], rel=1e-6)
 
 

@@ -85,6 +85,7 @@ class TrainerConfig:
     pipeline_schedule: str = "1f1b"  # pipeline: gpipe (all forwards, then all backwards) | 1f1b (alternating: fewer activations held)
     tp: int = 1  # tensor parallel degree: each layer's matrices split across this many ranks (within a node), composed with fsdp over the rest
     sequence_parallel: bool = False  # tp: cut the activations between the split layers along the sequence (norms, dropout, residuals on 1/tp of the tokens); the model's plan must offer it
+    loss_parallel: bool = False  # tp: keep the logits split by vocabulary and compute the cross-entropy on the shards (large vocabularies: no rank holds all the logits); the model's plan must offer it
     tp_plan: dict[str, str] = field(default_factory=dict)  # tp: module name pattern (fnmatch, e.g. "blocks.*.attn.q") -> colwise | rowwise; empty: the model's own tensor_parallel_plan()
     fsdp_replicate: int = 0  # fsdp: copies of the sharded model (HSDP, a 2-D mesh: shard within, all-reduce across); 0: one per node; 1: shard over all ranks
     meta_init: bool = True  # fsdp: build the model on the meta device and give each rank only its shards (same initial values); falls back to a full build where the model's init cannot be replayed

@@ -75,13 +75,18 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
-    def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
+    def tensor_parallel_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, str]:
         """Megatron's split of each block (trainer.tp): the attention's q, k, v and the MLP's first layer by output
         columns (each rank its heads, its hidden units), their output projections by input rows (one all-reduce
         each). Embeddings, norms and the output projection stay whole on every rank; with sequence parallelism
         (Megatron-SP, torchtitan's) the embeddings, norms and residual stream hold a share of the positions, and
-        the token table and the (tied) output projection are split by vocabulary rows."""
-        return SEQUENCE_PARALLEL_PLAN if sequence_parallel else TENSOR_PARALLEL_PLAN
+        the token table and the (tied) output projection are split by vocabulary rows; with loss parallelism the
+        logits stay split by vocabulary for the cross-entropy."""
+        plan = dict(SEQUENCE_PARALLEL_PLAN if sequence_parallel else TENSOR_PARALLEL_PLAN)
+        if loss_parallel:  # the logits split by vocabulary for the loss (the tied table is split by rows with it)
+            plan.update(wte="embedding_sequence" if sequence_parallel else "embedding",
+                        head="colwise_from_sequence_to_loss" if sequence_parallel else "colwise_to_loss")
+        return plan
 
     def flops_per_token(self, length: int | None = None) -> float:
         """Training FLOPs per token (forward + backward), nanoGPT's and PaLM's convention: 6 x the parameters that

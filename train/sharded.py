@@ -18,6 +18,7 @@ whole model in host memory while saving.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -99,7 +100,8 @@ class FSDPStrategy(Strategy):
         mesh = layout.mesh(device.type, always=("dp_shard",))
         self.tp_rank = mesh["tp"].get_local_rank() if layout.tp > 1 else 0
         if layout.tp > 1:  # first split the layers within the tp group, then shard what each rank holds
-            apply_tensor_parallel(model, model_plan(model, cfg.tp_plan, cfg.sequence_parallel), mesh["tp"])
+            apply_tensor_parallel(model, model_plan(model, cfg.tp_plan, cfg.sequence_parallel, cfg.loss_parallel),
+                                  mesh["tp"])
         dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
         offload = CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy()
         policy = {"mesh": dp_mesh, "offload_policy": offload}
@@ -114,10 +116,21 @@ class FSDPStrategy(Strategy):
 
     def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler, call=call_model) -> torch.Tensor:
         self.model.set_requires_gradient_sync(sync)  # FSDP's no_sync: accumulate unsharded, reduce-scatter last
-        with autocast():
-            value = loss(call(self.model, inputs), targets) / self.cfg.accumulate
-        value.backward()  # fp16 (a grad scaler) is refused for fsdp before start
+        with self.loss_context():
+            with autocast():
+                value = loss(call(self.model, inputs), targets) / self.cfg.accumulate
+            value.backward()  # fp16 (a grad scaler) is refused for fsdp before start
+        value = value.to_local() if hasattr(value, "to_local") else value  # loss parallel: replicated on the tp group
         return value.detach().float()
+
+    def loss_context(self):
+        """trainer.loss_parallel: the logits stay split by vocabulary across the tp group, and the cross-entropy is
+        computed on the shards (torch's loss_parallel), forward and backward, instead of on gathered logits."""
+        if not self.cfg.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def clip_grad_norm(self, max_norm: float) -> None:
         """By the norm of the whole gradient: each rank's shards, summed over ranks on the training device (with CPU
@@ -129,6 +142,8 @@ class FSDPStrategy(Strategy):
     def eval_forward(self, inputs, call=call_model):
         """Every rank of a tp group runs the forward (its collectives); the first one's output is scored."""
         output = call(self.model, inputs)
+        if hasattr(output, "full_tensor"):  # loss parallel's split logits, gathered for the task's metrics
+            output = output.full_tensor()
         return output if self.tp_rank == 0 else None
 
     def model_state(self) -> dict:

@@ -7,7 +7,8 @@ model's `config.base_model_tp_plan`. A model without one is refused before start
 features split: each rank its heads, its hidden units; the input whole), rowwise (the input features split, the
 output all-reduced whole): a colwise layer followed by a rowwise one costs one all-reduce forward and one backward.
 With trainer.sequence_parallel the activations between them are cut along the sequence (SEQUENCE_STYLES): the
-all-reduces become an all-gather and a reduce-scatter, and the norms and residuals hold 1/tp of the tokens.
+all-reduces become an all-gather and a reduce-scatter, and the norms and residuals hold 1/tp of the tokens. With
+trainer.loss_parallel the logits stay split by vocabulary (LOSS_STYLES) and the cross-entropy runs on the shards.
 
 The ranks of a tp group read the same batch; the modules outside the plan hold whole copies, whose gradients are
 the same on every rank of the group.
@@ -30,17 +31,22 @@ SEQUENCE_STYLES = (
     "positions_sequence",  # a position table looked up whole and cut: its share of the positions (dim 0)
     "colwise_from_sequence",  # colwise, its input gathered along the sequence, its output whole (the head)
 )
-STYLES = SPLITS + SEQUENCE_STYLES
+# Loss parallelism (trainer.loss_parallel): the output projection's logits stay split by vocabulary for the loss.
+LOSS_STYLES = ("colwise_to_loss", "colwise_from_sequence_to_loss")
+EMBEDDINGS = ("embedding",)  # an nn.Embedding split by rows (vocabulary), its output whole (ties a split head)
+STYLES = SPLITS + SEQUENCE_STYLES + LOSS_STYLES + EMBEDDINGS
 HUGGING_FACE_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": None, "rowwise_rep": None}
 
 
-def model_plan(model: nn.Module, configured: dict[str, str], sequence_parallel: bool = False) -> dict[str, str]:
+def model_plan(model: nn.Module, configured: dict[str, str], sequence_parallel: bool = False,
+               loss_parallel: bool = False) -> dict[str, str]:
     """The plan to apply: the config's, the model's own, or a Hugging Face model's (module pattern -> style)."""
     if configured:
         return dict(configured)
     own = getattr(model, "tensor_parallel_plan", None)
     if callable(own):
-        return dict(own(sequence_parallel=sequence_parallel) if sequence_parallel else own())
+        asked = {k: v for k, v in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)) if v}
+        return dict(own(**asked))
     hf = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
     if hf:
         prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") and \
@@ -60,7 +66,8 @@ def matched(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return found
 
 
-def problems_with(model: nn.Module, plan: dict[str, str], tp: int, sequence_parallel: bool = False) -> list[str]:
+def problems_with(model: nn.Module, plan: dict[str, str], tp: int, sequence_parallel: bool = False,
+                  loss_parallel: bool = False) -> list[str]:
     """What stops this plan from splitting this model tp ways (empty: it can)."""
     if not plan:
         return [f"trainer.tp={tp}: the model has no tensor-parallel plan (no tensor_parallel_plan() method, no Hugging "
@@ -72,6 +79,10 @@ def problems_with(model: nn.Module, plan: dict[str, str], tp: int, sequence_para
     if sequence_parallel and not any(s in SEQUENCE_STYLES for s in plan.values()):
         return ["trainer.sequence_parallel=true, but the tensor-parallel plan has no sequence-parallel styles (the "
                 "model's plan does not offer one): give them in trainer.tp_plan, or set trainer.sequence_parallel=false."]
+    if loss_parallel and not any(s in LOSS_STYLES for s in plan.values()):
+        return ["trainer.loss_parallel=true, but the tensor-parallel plan keeps no logits split for the loss (the "
+                "model's plan does not offer it): give its output projection a *_to_loss style in trainer.tp_plan, "
+                "or set trainer.loss_parallel=false."]
     length = getattr(model, "block_size", 0)
     if sequence_parallel and isinstance(length, int) and length % tp:
         return [f"trainer.sequence_parallel=true cuts the sequence {tp} ways, but the model's block_size={length} does "
@@ -115,6 +126,10 @@ def parallel_style(style: str):
         "embedding_sequence": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "positions_sequence": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
         "colwise_from_sequence": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "colwise_to_loss": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        "colwise_from_sequence_to_loss": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                                                 use_local_output=False),
     }[style]()
 
 
