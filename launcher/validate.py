@@ -156,7 +156,8 @@ def _check_tensor_parallel(cfg: Config, problems: list[str], targets_ok: bool) -
         return
     if t.strategy != "fsdp":
         problems.append(f"trainer.tp={t.tp} composes with trainer.strategy=fsdp (FSDP2 shards what each tp rank holds "
-                        f"over the other ranks; trainer.fsdp_replicate=K for copies): set trainer.strategy=fsdp.")
+                        f"over the other ranks): set trainer.strategy=fsdp; with trainer.fsdp_replicate="
+                        f"{max(1, world_size(cfg) // t.tp)} every copy stays whole, as under ddp.")
     if t.compile:
         problems.append(f"trainer.compile=true with trainer.tp={t.tp} is not supported yet: leave one of them out.")
     if targets_ok:

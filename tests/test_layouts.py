@@ -105,7 +105,8 @@ def test_tp2_reaches_one_process_and_its_checkpoint_resumes_as_one_process(corpu
 
 
 def test_tp2_by_fsdp2_reaches_ddp_on_4_and_resumes_as_fsdp_on_4(corpus, tmp_path):
-    """4 processes: tp groups {0,1} and {2,3}, each reading half the batch, sharded over the other dimension."""
+    """4 processes: tp groups {0,1} and {2,3}, each reading half the batch, sharded (or copied) over the other
+    dimension."""
     gpt_run(corpus, tmp_path / "ddp", "trainer.procs_per_node=4", "data.batch_size=8", "trainer.max_steps=12")
     layered = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "trainer.tp=2",
                       "trainer.fsdp_replicate=1", "data.batch_size=16", "trainer.max_steps=8")
@@ -115,6 +116,11 @@ def test_tp2_by_fsdp2_reaches_ddp_on_4_and_resumes_as_fsdp_on_4(corpus, tmp_path
                       "trainer.max_steps=12")
     assert "resumed at step 8" in resumed.stdout
     assert_same(weights(tmp_path / "ddp", 12), weights(tmp_path / "tp", 12), "resumed as fsdp=4")
+    # ddp's layout with tp: 2 whole copies (HSDP with shards of one), what the refusal of tp under ddp points to.
+    copies = gpt_run(corpus, tmp_path / "copies", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "trainer.tp=2",
+                     "trainer.fsdp_replicate=2", "data.batch_size=16", "trainer.max_steps=8")
+    assert "plan: 4 processes (fsdp, 2 dp_replicate x 2 tp)" in copies.stdout
+    assert_same(weights(tmp_path / "ddp", 8), weights(tmp_path / "copies", 8), "tp=2 x 2 copies at step 8")
 
 
 def test_a_two_stage_pipeline_copied_twice_reaches_one_process(corpus, tmp_path):
