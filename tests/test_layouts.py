@@ -5,6 +5,8 @@ reaches one process. Real processes, gloo: DTensor runs on CPU."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -85,6 +87,7 @@ def test_tp2_reaches_one_process_and_its_checkpoint_resumes_as_one_process(corpu
     tp = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.tp=2",
                  "data.batch_size=16", "trainer.max_steps=8")
     assert "plan: 2 processes (fsdp, 2 tp)" in tp.stdout and "1 replicas" in tp.stdout
+    assert "the model was built on the meta device" in tp.stderr  # each rank filled in its tp x fsdp pieces only
     assert_same(weights(tmp_path / "one", 8), weights(tmp_path / "tp", 8), "tp=2 at step 8")
     assert evals(tmp_path / "tp")[8] == pytest.approx(evals(tmp_path / "one")[8], rel=1e-6)  # exact evaluation
     train = [r for r in read_metrics(tmp_path / "tp") if r["kind"] == "train"]
@@ -104,7 +107,7 @@ def test_tp2_reaches_one_process_and_its_checkpoint_resumes_as_one_process(corpu
     assert evals(tmp_path / "sp")[8] == pytest.approx(evals(tmp_path / "one")[8], rel=1e-6)
 
 
-def test_tp2_by_fsdp2_reaches_ddp_on_4_and_resumes_as_fsdp_on_4(corpus, tmp_path):
+def test_tp2_by_fsdp2_reaches_ddp_on_4_and_resumes_as_fsdp_on_4_and_as_one_process(corpus, tmp_path):
     """4 processes: tp groups {0,1} and {2,3}, each reading half the batch, sharded (or copied) over the other
     dimension."""
     gpt_run(corpus, tmp_path / "ddp", "trainer.procs_per_node=4", "data.batch_size=8", "trainer.max_steps=12")
@@ -112,6 +115,11 @@ def test_tp2_by_fsdp2_reaches_ddp_on_4_and_resumes_as_fsdp_on_4(corpus, tmp_path
                       "trainer.fsdp_replicate=1", "data.batch_size=16", "trainer.max_steps=8")
     assert "plan: 4 processes (fsdp, 2 dp_shard x 2 tp)" in layered.stdout
     assert_same(weights(tmp_path / "ddp", 8), weights(tmp_path / "tp", 8), "tp=2 x fsdp=2 at step 8")
+    shutil.copytree(tmp_path / "tp", tmp_path / "tp_then_one")  # the same checkpoint, resumed by one process too
+    alone = gpt_run(corpus, tmp_path / "tp_then_one", "trainer.procs_per_node=1", "checkpoint.format=dcp",
+                    "data.batch_size=32", "trainer.max_steps=12")
+    assert "resumed at step 8" in alone.stdout
+    assert_same(weights(tmp_path / "ddp", 12), weights(tmp_path / "tp_then_one", 12), "resumed as 1 process")
     resumed = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "data.batch_size=8",
                       "trainer.max_steps=12")
     assert "resumed at step 8" in resumed.stdout

@@ -197,7 +197,7 @@ def build_initial_model(cfg: TrainConfig):
     """The model with the same initial weights on every rank: built whole, or under fsdp with trainer.meta_init on
     the meta device, with the recipes that give each rank its shards once sharded (train/meta_init.py)."""
     torch.manual_seed(cfg.trainer.seed)
-    if cfg.trainer.strategy == "fsdp" and cfg.trainer.meta_init and cfg.trainer.tp == 1:  # tp: built whole
+    if cfg.trainer.strategy == "fsdp" and cfg.trainer.meta_init:
         from hydra.utils import get_object
 
         get_object(cfg.model["_target_"])  # its module imported first: build_on_meta adapts to a Hugging Face model's
