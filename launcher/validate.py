@@ -154,10 +154,13 @@ def _check_tensor_parallel(cfg: Config, problems: list[str], targets_ok: bool) -
     except LayoutError as error:
         problems.append(str(error))
         return
-    if t.strategy != "fsdp":
+    if t.strategy == "ddp":
         problems.append(f"trainer.tp={t.tp} composes with trainer.strategy=fsdp (FSDP2 shards what each tp rank holds "
-                        f"over the other ranks): set trainer.strategy=fsdp; with trainer.fsdp_replicate="
+                        f"over the other ranks) or pipeline: set trainer.strategy=fsdp; with trainer.fsdp_replicate="
                         f"{max(1, world_size(cfg) // t.tp)} every copy stays whole, as under ddp.")
+    if t.strategy == "pipeline" and (t.sequence_parallel or t.loss_parallel):
+        problems.append("trainer.sequence_parallel and trainer.loss_parallel apply under trainer.strategy=fsdp: a "
+                        "pipeline's stages pass whole activations. Leave them out.")
     if t.compile:
         problems.append(f"trainer.compile=true with trainer.tp={t.tp} is not supported yet: leave one of them out.")
     if targets_ok:
@@ -197,8 +200,9 @@ def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
     if t.fsdp_cpu_offload and (t.strategy != "fsdp" or t.gpus == 0):
         problems.append("trainer.fsdp_cpu_offload=true needs trainer.strategy=fsdp on GPUs (trainer.gpus > 0).")
     if t.strategy != "pipeline":
-        if t.pp:
-            problems.append(f"trainer.pp={t.pp} applies to trainer.strategy=pipeline only: leave it out.")
+        if t.pp or t.pp_sharded:
+            key = f"trainer.pp={t.pp}" if t.pp else "trainer.pp_sharded=true"
+            problems.append(f"{key} applies to trainer.strategy=pipeline only: leave it out.")
         return
     try:
         world = layout_of(t, world_size(cfg), procs_per_node(cfg)).pp  # the stages (the rest: copies of them)

@@ -131,13 +131,19 @@ def test_tp2_by_fsdp2_reaches_ddp_on_4_and_resumes_as_fsdp_on_4_and_as_one_proce
     assert_same(weights(tmp_path / "ddp", 8), weights(tmp_path / "copies", 8), "tp=2 x 2 copies at step 8")
 
 
-def test_a_two_stage_pipeline_copied_twice_reaches_one_process(corpus, tmp_path):
-    """4 processes: stages {0, 2} and {1, 3} (a stage's copies average their gradients), each copy of the pipeline
-    reading half the batch in 2 microbatches; clipping by the norm over both stages, each counted once."""
-    pipeline = ["model._target_=train.gpt.GPTPipeline", "~model.tie_weights", "trainer.max_steps=8"]
-    gpt_run(corpus, tmp_path / "one", *pipeline, "trainer.procs_per_node=1", "data.batch_size=32")
-    staged = gpt_run(corpus, tmp_path / "staged", *pipeline, "trainer.procs_per_node=4", "trainer.strategy=pipeline",
-                     "trainer.pp=2", "trainer.microbatches=2", "data.batch_size=16")
-    assert "global batch 32 (16 x 2 replicas x 1 accumulation)" in staged.stdout
-    assert_same(weights(tmp_path / "one", 8), weights(tmp_path / "staged", 8), "2 stages x 2 copies")
-    assert evals(tmp_path / "staged")[8] == pytest.approx(evals(tmp_path / "one")[8], rel=1e-5)
+def test_a_two_stage_pipeline_copied_sharded_or_split_reaches_one_process(corpus, tmp_path):
+    """4 processes as 2 stages x 2: copies of the pipeline (a stage's copies average their gradients), its stages
+    sharded over the 2 (FSDP2 per stage), or each stage's layers split 2 ways (tp). Clipping by the norm over both
+    stages, each piece counted once."""
+    pipeline = ["model._target_=train.gpt.GPTPipeline", "~model.tie_weights", "trainer.max_steps=8",
+                "trainer.procs_per_node=4", "trainer.strategy=pipeline", "trainer.microbatches=2"]
+    gpt_run(corpus, tmp_path / "one", *pipeline, "trainer.procs_per_node=1", "trainer.strategy=ddp", "data.batch_size=32")
+    layouts = {"copied": (["trainer.pp=2", "data.batch_size=16"], "2 pp x 2 dp_replicate", "16 x 2 replicas"),
+               "sharded": (["trainer.pp=2", "trainer.pp_sharded=true", "data.batch_size=16"], "2 pp x 2 dp_shard",
+                           "16 x 2 replicas"),
+               "split": (["trainer.tp=2", "data.batch_size=32"], "2 pp x 2 tp", "32 x 1 replicas")}
+    for name, (overrides, layout, batch) in layouts.items():
+        staged = gpt_run(corpus, tmp_path / name, *pipeline, *overrides)
+        assert f"processes (pipeline, {layout}), global batch 32 ({batch} x 1 accumulation)" in staged.stdout
+        assert_same(weights(tmp_path / "one", 8), weights(tmp_path / name, 8), f"2 stages {layout}")
+        assert evals(tmp_path / name)[8] == pytest.approx(evals(tmp_path / "one")[8], rel=1e-5)

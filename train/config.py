@@ -81,6 +81,7 @@ class TrainerConfig:
     tf32: bool = True  # precision 32 on GPUs: fp32 matmuls and convolutions in TF32 (~8x faster, 10-bit mantissa); false: full fp32
     strategy: str = "ddp"  # ddp (copy the model, split the batch) | fsdp (shard parameters, grads, optimizer state) | pipeline (a stage of blocks per process)
     pp: int = 0  # pipeline: stages (each replicated over world / pp data-parallel ranks); 0: one stage per process
+    pp_sharded: bool = False  # pipeline: shard each stage over its data-parallel ranks (FSDP2) instead of copying it
     microbatches: int = 4  # pipeline: microbatches each batch is cut into (data.batch_size must divide evenly)
     pipeline_schedule: str = "1f1b"  # pipeline: gpipe (all forwards, then all backwards) | 1f1b (alternating: fewer activations held)
     tp: int = 1  # tensor parallel degree: each layer's matrices split across this many ranks (within a node), composed with fsdp over the rest
@@ -119,7 +120,8 @@ class CheckpointConfig:
     mode: str = ""  # min | max: whether a smaller or larger monitor is better; empty: the task's
     # file: one file that rank 0 writes from the gathered full state (small models; any tool loads it).
     # dcp: a step directory every rank writes its shards into (torch.distributed.checkpoint): no rank holds the whole
-    # state, and a run resumes at another world size or strategy. auto: dcp under fsdp, file otherwise.
+    # state, and a run resumes at another world size or strategy. auto: dcp where the parameters are split (fsdp,
+    # tp, sharded pipeline stages), file otherwise.
     format: str = "auto"
     async_save: bool = False  # dcp: write in the background from a copy of the state while training goes on
     # A checkpoint read or write that moves no byte for this long is a hang (the rank reports the file and exits);
@@ -137,7 +139,8 @@ def checkpoint_format(cfg: "TrainConfig") -> str:
     """The format checkpoint.format=auto stands for: sharded where the state is sharded."""
     if cfg.checkpoint.format != "auto":
         return cfg.checkpoint.format
-    return "dcp" if cfg.trainer.strategy == "fsdp" else "file"
+    t = cfg.trainer
+    return "dcp" if t.strategy == "fsdp" or t.tp > 1 or (t.strategy == "pipeline" and t.pp_sharded) else "file"
 
 
 @dataclass

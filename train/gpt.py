@@ -133,6 +133,10 @@ class GPTPipeline(nn.Sequential):
         self.block_size, self.n_layer, self.n_embd = block_size, n_layer, n_embd
         init_weights(self, n_layer)
 
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """The GPT's split of each block, for the blocks a pipeline stage holds (its children are numbered)."""
+        return {pattern.replace("blocks.*.", "*."): style for pattern, style in TENSOR_PARALLEL_PLAN.items()}
+
     def flops_per_token(self, length: int | None = None) -> float:
         embedding = self[0]
         lookups = embedding.wpe.weight.numel() + embedding.wte.weight.numel()

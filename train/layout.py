@@ -61,6 +61,11 @@ class Layout:
         names = tuple(d for d in DIMS if getattr(self, d) > 1 or d in always) or ("dp_replicate",)
         return init_device_mesh(device_type, tuple(getattr(self, d) for d in names), mesh_dim_names=names)
 
+    @property
+    def composite(self) -> bool:
+        """More than one dimension in play (the strategy's name alone does not say the layout)."""
+        return sum(getattr(self, d) > 1 for d in DIMS) > 1 or self.tp > 1
+
     def describe(self) -> str:
         parts = [f"{getattr(self, d)} {d}" for d in DIMS if getattr(self, d) > 1]
         return " x ".join(parts) or "1 process"
@@ -79,7 +84,10 @@ def layout_of(trainer, world_size: int, local_world_size: int) -> Layout:
             raise LayoutError(f"trainer.pp={trainer.pp}: the pipeline's stages must divide the world size ({world_size} "
                               f"processes){f' / trainer.tp={tp}' if tp > 1 else ''}: pick a divisor of {rest} (the "
                               f"rest are data-parallel copies of the pipeline), or 0 for one stage per process.")
-        return Layout(pp=stages, dp_replicate=rest // stages, tp=tp)
+        copies = rest // stages
+        if trainer.pp_sharded:
+            return Layout(pp=stages, dp_shard=copies, tp=tp)
+        return Layout(pp=stages, dp_replicate=copies, tp=tp)
     if trainer.strategy == "fsdp":
         copies = trainer.fsdp_replicate if trainer.fsdp_replicate > 0 else max(1, world_size // max(local_world_size, 1))
         if rest % copies:

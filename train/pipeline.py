@@ -16,16 +16,20 @@ state in stage order, so a run resumes under pipeline with the same number of st
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 
 from train.config import TrainerConfig
 from train.dist import DistEnv
 from train.layout import layout_of
 from train.models import pipeline_stages
 from train.parallel import Strategy, call_model, clip_global_norm
+from train.tensor_parallel import apply_tensor_parallel, model_plan
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations that travel between stages in eval
@@ -52,9 +56,18 @@ class PipelineStrategy(Strategy):
         # The ranks of one copy of the pipeline (a stage's neighbours are `stride` ranks away), and the copies of
         # this stage (whose gradients are averaged).
         self.stride = layout.dp * layout.tp
-        mesh = layout.mesh(device.type, always=("pp",)) if layout.dp > 1 else None
+        mesh = layout.mesh(device.type, always=("pp",)) if layout.dp > 1 or layout.tp > 1 else None
         self.pipe_group = mesh["pp"].get_group() if mesh is not None else None
-        self.copies_group = mesh["dp_replicate"].get_group() if mesh is not None else None
+        self.copies_group = mesh["dp_replicate"].get_group() if layout.dp_replicate > 1 else None
+        self.tp_rank = mesh["tp"].get_local_rank() if layout.tp > 1 else 0
+        if layout.tp > 1:  # this stage's layers split within its tp group; stages pass whole activations
+            apply_tensor_parallel(model, model_plan(model, cfg.tp_plan), mesh["tp"])
+        self.lockstep_eval = layout.dp_shard > 1  # a sharded stage gathers its parameters in every forward
+        if layout.dp_shard > 1:  # trainer.pp_sharded: the stage sharded over its data-parallel ranks, block by block
+            from torch.distributed.fsdp import fully_shard
+
+            for unit in [*model.children(), model]:
+                fully_shard(unit, mesh=mesh["dp_shard"], reshard_after_forward=False)
         stage = PipelineStage(model, self.stage, self.stages, device, group=self.pipe_group)
         self.schedule = SCHEDULES[cfg.pipeline_schedule](stage, cfg.microbatches, loss_fn=self._loss, scale_grads=False)
         self.loss = None  # the task's, set by forward_backward: the last stage computes it per microbatch
@@ -71,23 +84,33 @@ class PipelineStrategy(Strategy):
         if sync and self.copies_group is not None:  # the copies of this stage read different samples: average
             for p in self.model.parameters():
                 if p.grad is not None:
-                    dist.all_reduce(p.grad, group=self.copies_group)
-                    p.grad.div_(self.layout.dp)
+                    grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    dist.all_reduce(grad, group=self.copies_group)
+                    grad.div_(self.layout.dp)
         if not self.last:
             return torch.zeros((), device=self.device)
         return torch.stack(losses).sum().detach()
 
     def clip_grad_norm(self, max_norm: float) -> None:
-        """Clip by the norm over all stages' gradients (each stage's held by its dp copies alike, counted once)."""
-        clip_global_norm([p.grad for p in self.model.parameters() if p.grad is not None], max_norm, self.device,
-                         copies=self.layout.dp)
+        """Clip by the norm over all stages' gradients (each stage's held by its dp copies alike, and a whole
+        tensor by every rank of its tp group, counted once)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        clip_global_norm([g.to_local() if isinstance(g, DTensor) else g for g in grads], max_norm, self.device,
+                         copies=[self.layout.dp_replicate * self._copies_in_group(g) for g in grads])
+
+    def _copies_in_group(self, grad: torch.Tensor) -> int:
+        """Ranks of this stage's tp x dp_shard group that hold the same piece as this rank."""
+        if not isinstance(grad, DTensor):
+            return self.layout.tp * self.layout.dp_shard  # split by nothing: whole on every rank of the group
+        on_mesh = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate())
+        return on_mesh * self.layout.tp * self.layout.dp_shard // grad.device_mesh.size()
 
     @torch.no_grad()
     def eval_forward(self, inputs, call=call_model):
         x = inputs if self.first else self._receive()
         y = self.model(x)
         if self.last:
-            return y
+            return y if self.tp_rank == 0 else None  # a tp group's ranks hold the same output: scored once
         self._send(y)
         return None
 

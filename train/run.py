@@ -252,10 +252,10 @@ def describe_schedule(run: Run) -> str:
 
 
 def describe_plan(run: Run) -> str:
-    cfg, plan = run.cfg, run.plan
+    cfg, plan, layout = run.cfg, run.plan, run.strategy.layout
     text = (
         f"plan: {plan.world_size} processes ({cfg.trainer.strategy}"
-        f"{', ' + run.strategy.layout.describe() if run.strategy.layout.tp > 1 else ''}), global batch {plan.global_batch} "
+        f"{', ' + layout.describe() if layout.composite else ''}), global batch {plan.global_batch} "
         f"({cfg.data.batch_size} x {plan.replicas} replicas x {cfg.trainer.accumulate} accumulation), lr {plan.lr:.4g}, "
         f"lr schedule: {describe_schedule(run)}, {plan.steps_per_epoch} steps/epoch x {cfg.trainer.epochs} epochs = "
         f"{plan.total_steps} steps"
