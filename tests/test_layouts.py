@@ -137,7 +137,8 @@ def test_a_two_stage_pipeline_copied_sharded_or_split_reaches_one_process(corpus
     stages, each piece counted once."""
     pipeline = ["model._target_=train.gpt.GPTPipeline", "~model.tie_weights", "trainer.max_steps=8",
                 "trainer.procs_per_node=4", "trainer.strategy=pipeline", "trainer.microbatches=2"]
-    gpt_run(corpus, tmp_path / "one", *pipeline, "trainer.procs_per_node=1", "trainer.strategy=ddp", "data.batch_size=32")
+    gpt_run(corpus, tmp_path / "one", *pipeline, "trainer.procs_per_node=1", "trainer.strategy=ddp", "data.batch_size=32",
+            "trainer.max_steps=12", "trainer.eval_every_steps=8")
     layouts = {"copied": (["trainer.pp=2", "data.batch_size=16"], "2 pp x 2 dp_replicate", "16 x 2 replicas"),
                "sharded": (["trainer.pp=2", "trainer.pp_sharded=true", "data.batch_size=16"], "2 pp x 2 dp_shard",
                            "16 x 2 replicas"),
@@ -147,3 +148,8 @@ def test_a_two_stage_pipeline_copied_sharded_or_split_reaches_one_process(corpus
         assert f"processes (pipeline, {layout}), global batch 32 ({batch} x 1 accumulation)" in staged.stdout
         assert_same(weights(tmp_path / "one", 8), weights(tmp_path / name, 8), f"2 stages {layout}")
         assert evals(tmp_path / name)[8] == pytest.approx(evals(tmp_path / "one")[8], rel=1e-5)
+    # The split pipeline's sharded checkpoint (stages x tp) resumed by one process, without a pipeline.
+    alone = gpt_run(corpus, tmp_path / "split", *pipeline, "trainer.procs_per_node=1", "trainer.strategy=ddp",
+                    "checkpoint.format=dcp", "data.batch_size=32", "trainer.max_steps=12")
+    assert "resumed at step 8" in alone.stdout
+    assert_same(weights(tmp_path / "one", 12), weights(tmp_path / "split", 12), "2 pp x 2 tp resumed by 1 process")
