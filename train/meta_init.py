@@ -198,6 +198,14 @@ def tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [group for group in owners.values() if len(group) > 1]
 
 
+def retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
+    """Point every later owner of a shared parameter back at the first owner's, after something gave each owner a
+    tensor of its own (to_empty, a tensor-parallel split)."""
+    for (first, first_name), *others in ties:
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
+
+
 @torch.no_grad()
 def materialise(model: nn.Module, recipes: dict, device: torch.device) -> None:
     """Allocate this rank's part of every parameter and buffer on `device` and fill it, one tensor at a time.
@@ -205,9 +213,7 @@ def materialise(model: nn.Module, recipes: dict, device: torch.device) -> None:
     at the first one's (the one FSDP manages and named_parameters yields)."""
     ties = tied_parameters(model)
     model.to_empty(device=device)
-    for (first, first_name), *others in ties:
-        for module, name in others:
-            module._parameters[name] = first._parameters[first_name]
+    retie(ties)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         full = replay(recipes[name])
         if isinstance(tensor, DTensor):

@@ -138,19 +138,8 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh) -> None:
     output projection sharing the embedding) are tied again: each module's split replaced its own parameter."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from train.meta_init import retie, tied_parameters
+
     ties = tied_parameters(model)
     parallelize_module(model, mesh, {name: parallel_style(style) for name, style in matched(model, plan).items()})
-    for first, *others in ties:
-        shared = model.get_parameter(first)
-        for name in others:
-            owner, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(owner) if owner else model, attribute, shared)
-
-
-def tied_parameters(model: nn.Module) -> list[list[str]]:
-    """Names of parameters that are one tensor (more than one name each)."""
-    names: dict[int, list[str]] = {}
-    for module_name, module in model.named_modules():
-        for name, parameter in module.named_parameters(recurse=False):
-            names.setdefault(id(parameter), []).append(f"{module_name}.{name}" if module_name else name)
-    return [group for group in names.values() if len(group) > 1]
+    retie(ties)
