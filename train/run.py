@@ -33,6 +33,7 @@ from train.evaluate import evaluate
 from train.host import freeze_imported_objects, keep_freed_memory
 from train.identity import run_identity
 from train.observe.hang import HangReports, flight_recorder_env
+from train.observe.memory import log_memory
 from train.observe.metrics import build_metrics
 from train.observe.profile import build_profiler
 from train.observe.trackers import TrackedRun
@@ -267,35 +268,6 @@ def describe_plan(run: Run) -> str:
     if run.resumed:
         text += f"; resumed at step {run.progress.step}"
     return text + schedule_warning(run.scheduler.lr_lambdas[0], plan)
-
-
-def log_memory(run: Run, metrics, console, step: int, activations: int) -> None:
-    """Each rank's parameter and optimizer-state memory, the activations its first step kept for the backward
-    (and peak GPU memory), once the optimizer state exists: what fsdp, a pipeline or activation checkpointing save
-    shows up by rank. Collective."""
-    params, state = run.strategy.memory(run.optimizer)
-    peak = torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else 0
-    startup = run.startup_peak_bytes
-    mine = torch.tensor([params, state, activations, peak, startup], dtype=torch.float64, device=run.device)
-    table = [torch.empty_like(mine) for _ in range(run.env.world_size)]
-    torch.distributed.all_gather(table, mine)
-    values, parts = {}, []
-    lines = ["rank  parameters MB  optimizer MB  activations MB  startup host peak MB" + ("  GPU peak MB" if peak else "")]
-    for rank, row in enumerate(table):
-        params_mb, state_mb, activations_mb, peak_mb, startup_mb = (v / 2**20 for v in row.tolist())
-        values.update({f"rank{rank}_param_mb": params_mb, f"rank{rank}_optim_mb": state_mb,
-                       f"rank{rank}_activation_mb": activations_mb, f"rank{rank}_startup_host_peak_mb": startup_mb})
-        if run.device.type == "cuda":
-            values[f"rank{rank}_peak_mb"] = peak_mb
-        parts.append(f"rank {rank} {params_mb:.1f} + {state_mb:.1f} + {activations_mb:.1f} MB"
-                     + (f" (peak {peak_mb:.0f} MB)" if peak else ""))
-        lines.append(f"{rank:>4}  {params_mb:13.1f}  {state_mb:12.1f}  {activations_mb:14.1f}  {startup_mb:20.1f}"
-                     + (f"  {peak_mb:11.0f}" if peak else ""))
-    metrics.log("memory", step, values)
-    metrics.note("memory", "\n".join(lines), step)
-    checkpointing = ", activation checkpointing" if run.cfg.trainer.activation_checkpointing else ""
-    console.print(f"memory per rank, parameters + optimizer state + activations of a step ({run.cfg.trainer.strategy}"
-                  f"{checkpointing}): {', '.join(parts)}")
 
 
 def evaluation_due(run: Run) -> bool:
