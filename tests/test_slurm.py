@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -55,6 +56,40 @@ def state(job_id: str) -> str:
     return job_state(job_id)["state"]
 
 
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def wait_until_ended(job_ids: list[str], logs_under: Path, timeout: float = 240, want: str = "COMPLETED") -> None:
+    """Wait for every job to end in `want`. A job that ends otherwise fails the test at once, and so does the
+    timeout, with what SLURM and the jobs' own logs say (not a bare "timed out" minutes later)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = {j: state(j) for j in job_ids}
+        if all(s == want for s in states.values()):
+            return
+        ended_otherwise = {j: s for j, s in states.items() if s in ENDED and s != want}
+        if ended_otherwise or time.monotonic() > deadline:
+            why = f"ended {ended_otherwise}" if ended_otherwise else f"still {states} after {timeout:.0f} s"
+            pytest.fail(f"jobs {job_ids} should end {want} but {why}\n{cluster_report(job_ids, logs_under)}")
+        time.sleep(0.5)
+
+
+def cluster_report(job_ids: list[str], logs_under: Path) -> str:
+    """What the controller says of the jobs and the nodes, the ends of the jobs' logs and of the controller's log."""
+    def run(*cmd: str) -> str:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        return done.stdout + done.stderr
+
+    parts = [run("scontrol", "show", "job", "-o", j) for j in job_ids]
+    parts += [run("sinfo", "-N", "-o", "%N %T %E")]
+    for log in sorted(logs_under.rglob("*_log.*")):
+        parts.append(f"--- {log}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:]))
+    controller_log = Path(os.environ.get("SLURM_CONF", DEFAULT_CONF)).parent.parent / "log" / "slurmctld.log"
+    if controller_log.exists():
+        parts.append(f"--- {controller_log}\n" + "\n".join(controller_log.read_text(errors="replace").splitlines()[-40:]))
+    return "\n".join(parts)
+
+
 def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(cluster, launch, tmp_path):
     run_dir = tmp_path / "run"
     # Submitted from a shell that holds stale env:// values (say, inside torchrun): they must not reach the job.
@@ -66,7 +101,7 @@ def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(clu
     assert state(job_id) != "COMPLETED"  # the command returned before the ~20 s job could finish
     assert f"python -m launcher.jobs status {run_dir}" in proc.stdout
 
-    wait_for(lambda: state(job_id) == "COMPLETED", timeout=240, what=f"job {job_id} to complete")
+    wait_until_ended([job_id], run_dir)
     plan = json.loads((run_dir / "plan.json").read_text())
     assert sorted(plan["hosts"]) == ["n1", "n2"]  # the ranks really ran on both nodes
     assert plan["world_size"] == 2
@@ -117,7 +152,7 @@ def test_the_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_weigh
     wait_for(lambda: state(job_id) == "RUNNING", timeout=120, what="the second attempt to start")
     second_attempt = launch(*LONG_JOB, f"hydra.run.dir={run_dir}", env=no_accounting)
     assert second_attempt.returncode == 2 and f"belongs to SLURM job {job_id} (RUNNING)" in second_attempt.stderr
-    wait_for(lambda: state(job_id) == "COMPLETED", timeout=240, what="the requeued job to complete")
+    wait_until_ended([job_id], run_dir)
     assert recorded_jobs(run_dir) == [job_id]  # the refused launches submitted nothing
     assert not (run_dir / "lease.json").exists()  # released at the job's clean end
     after = launch(*LONG_JOB, "trainer.epochs=21", "launcher.dry_run=true", f"hydra.run.dir={run_dir}", env=no_accounting)
@@ -144,9 +179,9 @@ def test_a_preemption_sigterm_saves_requeues_and_the_job_resumes(cluster, launch
     urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N2", f"--output={tmp_path / 'urgent.out'}",
                              "--wrap", "sleep 2"], capture_output=True, text=True, check=True).stdout.strip()
     wait_for(lambda: "Restarts=1" in _show(job_id), timeout=120, what="the preempted job to requeue")
-    wait_for(lambda: state(urgent) == "COMPLETED", timeout=120, what="the urgent job to run and end")
+    wait_until_ended([urgent], tmp_path, timeout=120)
     start_requeued_now(job_id)
-    wait_for(lambda: state(job_id) == "COMPLETED", timeout=240, what="the requeued job to complete")
+    wait_until_ended([job_id], run_dir)
 
     err = (slurm_folder(run_dir) / f"{job_id}_0_log.err").read_text()
     assert "[rank 0] SIGTERM: saving a checkpoint" in err and f"requeued job {job_id}" in err
@@ -161,7 +196,6 @@ def start_requeued_now(job_id: str) -> None:
     credential times in whole seconds, and a relaunch in the second the old credential was revoked is refused
     ("Job credential revoked") and the job fails. A requeue sets the job's SubmitTime."""
     import datetime
-    import time
 
     fields = dict(item.partition("=")[::2] for item in _show(job_id).split())
     requeued = datetime.datetime.fromisoformat(fields["SubmitTime"]).timestamp()
@@ -182,7 +216,7 @@ def test_cancel_is_reported_as_cancelled(cluster, launch, tmp_path):
     wait_for(lambda: state(job_id) == "RUNNING", timeout=120, what="the job to start")
     cancel = subprocess.run([sys.executable, "-m", "launcher.jobs", "cancel", str(run_dir)], capture_output=True, text=True, timeout=60)
     assert cancel.returncode == 0 and f"cancelled: {job_id}" in cancel.stdout
-    wait_for(lambda: state(job_id) == "CANCELLED", timeout=120, what="the job to be cancelled")
+    wait_until_ended([job_id], run_dir, timeout=120, want="CANCELLED")
     status = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(run_dir)], capture_output=True, text=True, timeout=60)
     assert "CANCELLED" in status.stdout
 

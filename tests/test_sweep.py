@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from conftest import FAST, read_metrics
-from test_slurm import cluster, state, wait_for  # noqa: F401  (the cluster fixture)
+from test_slurm import cluster, state, wait_until_ended  # noqa: F401  (the cluster fixture)
 
 POINT = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=2", "trainer.epochs=1"]
 
@@ -77,7 +77,7 @@ def test_a_slurm_sweep_submits_every_point_at_once(cluster, launch, tmp_path):  
 
     status = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(sweep_dir)], capture_output=True, text=True)
     assert all(j in status.stdout for j in job_ids)
-    wait_for(lambda: all(state(j) == "COMPLETED" for j in job_ids), timeout=300, what="the sweep's jobs")
+    wait_until_ended(job_ids, sweep_dir, timeout=300)
 
     summary = subprocess.run([sys.executable, "-m", "launcher.sweep", str(sweep_dir)], capture_output=True, text=True)
     assert summary.returncode == 0
