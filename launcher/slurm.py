@@ -230,12 +230,18 @@ def executor_parameters(cfg: Config, cpus_per_node: int = 0) -> dict:
     return parameters
 
 
+def task_python() -> str:
+    """The python command submitit's batch script runs each task with: our entry (launcher.slurm_task) around
+    submitit's. -P, as for the local workers: the job's working directory (the user's project) must not shadow our
+    packages."""
+    return f"{shlex.quote(sys.executable)} -u -P -m launcher.slurm_task"
+
+
 def submit(cfg: Config, run_dir: Path, snapshot: Path):
     """Submit the job and record it; returns the submitit job."""
     import submitit
 
-    # -P, as for the local workers: the job's working directory (the user's project) must not shadow our packages
-    executor = submitit.SlurmExecutor(folder=slurm_folder(run_dir), python=f"{shlex.quote(sys.executable)} -P")
+    executor = submitit.SlurmExecutor(folder=slurm_folder(run_dir), python=task_python())
     executor.update_parameters(**executor_parameters(cfg, node_cpus(cfg.launcher.partition)))
     task = SlurmTask(str(snapshot), cfg.launcher.max_requeues, f"SIG{cfg.launcher.signal}")
     job = executor.submit(task)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +25,37 @@ def fault_env(kind: str, rank: int, step: int = 0) -> dict:
     """Environment that makes rank `rank` fail as `kind` in the first attempt (see tests/faults/sitecustomize.py)."""
     path = os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": path, "FAULT": kind, "FAULT_RANK": str(rank), "FAULT_STEP": str(step)}
+
+
+@contextlib.contextmanager
+def shared_lock(name: str, exclusive: bool):
+    """A lock the test processes of one pytest-xdist run share (outside xdist: always granted). Taking it goes
+    through a gate held by whoever waits for it exclusively, so a steady stream of shared holders cannot starve
+    an exclusive one."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"pytest-{run}-{name}"
+    with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def _alone_if_timed(request):
+    """The suite runs on 2 pytest-xdist workers (pyproject.toml), two tests at once. A test marked `alone` asserts
+    time limits of a few seconds (hang and collective timeouts, slow I/O, one rank's stall against the other's):
+    it runs with no other test beside it, so that the other's processes cannot starve its ranks."""
+    with shared_lock("alone", exclusive=request.node.get_closest_marker("alone") is not None):
+        yield
 
 
 # Small, fast settings for runs that check mechanics rather than accuracy.

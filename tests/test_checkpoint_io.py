@@ -30,6 +30,7 @@ def streams(stderr: str, rank: int) -> list[str]:
     return re.findall(rf"^\[io rank {rank}\] (.+)$", stderr, flags=re.M)
 
 
+@pytest.mark.alone
 def test_sharded_io_slower_than_every_limit_finishes_and_each_rank_hashes_its_own_shards(tmp_path):
     """Every checkpoint stream of both ranks moves 1 kB per 40 ms: a rank's shard (92 kB) takes ~3.7 s to write, to
     verify and to read, against 3 s limits for hangs and collectives. Save, then resume: both finish. The trace shows
@@ -53,6 +54,7 @@ def test_sharded_io_slower_than_every_limit_finishes_and_each_rank_hashes_its_ow
     assert final_checkpoint(run_dir)["step"] == 4
 
 
+@pytest.mark.alone
 def test_a_checkpoint_write_that_never_returns_is_a_hang_naming_the_rank_and_the_file(tmp_path):
     """Rank 1's shard write stops for good after its first kB; with checkpoint.io_timeout_s=2 (and a training limit
     of 60 s that would not fire) rank 1 reports the file within the bound and exits; the restart finishes the run."""

@@ -122,6 +122,7 @@ def test_a_signal_to_the_launcher_saves_at_a_step_boundary_and_the_rerun_finishe
     assert_same_weights(final_checkpoint(run_dir), uninterrupted)
 
 
+@pytest.mark.alone
 def test_a_hanging_rank_is_reported_by_rank_and_the_group_restarts(launch, tmp_path):
     run_dir = tmp_path / "run"
     overrides = [*FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16", "launcher.max_restarts=1",
@@ -144,6 +145,7 @@ def test_a_hanging_rank_is_reported_by_rank_and_the_group_restarts(launch, tmp_p
     assert "hang report:" in proc.stderr
 
 
+@pytest.mark.alone
 def test_a_collective_timeout_leaves_a_hang_report_that_names_the_rank_behind(launch, tmp_path):
     """Rank 0's all-reduce times out (trainer.timeout_s=3) while rank 1 is stuck before it; rank 1, asked through
     the run directory, answers with where it is (and later reports its own hang: trainer.hang_timeout_s=6)."""
@@ -279,6 +281,7 @@ def test_a_second_launch_into_a_running_run_dir_is_refused(launch, tmp_path):
     assert "plan:" not in second.stdout  # no worker of the second launch started
 
 
+@pytest.mark.alone
 def test_a_rank_that_compiles_slower_than_the_collective_timeout_is_waited_for(launch, tmp_path):
     """Under trainer.compile the first step (and the first evaluation) compile, for minutes, and ranks finish apart:
     rank 1 here takes 6 s longer than rank 0, against 3 s limits for collectives and hangs."""

@@ -13,6 +13,7 @@ from conftest import IDENTITY, fault_env, final_checkpoint, read_metrics
 STALL_MS = 60
 
 
+@pytest.mark.alone
 def test_a_data_stall_on_one_rank_is_logged_by_rank(launch, tmp_path):
     env = {**fault_env("slow_data", rank=1), "FAULT_DELAY_MS": str(STALL_MS)}
     proc = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.max_steps=12",
@@ -67,6 +68,7 @@ def test_channels_last_is_chosen_for_conv_models_on_gpus_only():
     assert memory_format(TrainerConfig(memory_format="channels_last"), cnn, cpu) == torch.channels_last
 
 
+@pytest.mark.alone
 def test_a_slow_forward_on_one_rank_is_named_although_every_step_slows(launch, tmp_path):
     """What a slow GPU looks like: its forward takes longer, and the all-reduce makes every rank's step wait for it.
     Step times cannot tell the ranks apart; the forward time (CUDA events on GPUs, host time here) does."""

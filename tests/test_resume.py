@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import FAST, REPO, fault_env, final_checkpoint, read_metrics
 from train.checkpoint import load, step_file_name
 
@@ -70,6 +72,7 @@ def test_a_changed_number_of_epochs_on_resume_is_reported_and_followed(launch, t
     assert not math.isclose(lr_after_12, 0.05 * two_epochs(12))
 
 
+@pytest.mark.alone
 def test_checkpoint_io_slower_than_every_limit_is_not_a_hang(launch, tmp_path):
     """Each save and load takes ~3.8 s (~75 kB at 50 ms per kB) against 3 s limits for hangs and collectives."""
     run_dir = tmp_path / "run"
@@ -87,6 +90,7 @@ def test_checkpoint_io_slower_than_every_limit_is_not_a_hang(launch, tmp_path):
     assert final_checkpoint(run_dir)["step"] == 10
 
 
+@pytest.mark.alone
 def test_a_step_directory_committed_slower_than_every_limit_is_not_a_hang(launch, tmp_path):
     """Under fsdp (sharded checkpoints) rank 0 takes 4.5 s to commit while rank 1 waits in the save's last
     collective, on the training group itself (gloo), whose limit is 3 s outside such waits."""

@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import torch
 
-from conftest import FAST, final_checkpoint, logged_steps, read_metrics
+from conftest import FAST, final_checkpoint, logged_steps, read_metrics, shared_lock
 from conftest import wait_for as _wait_for
 from launcher.jobs import job_state
 from launcher.slurm import clear_unfinished_result, export_env_from_slurm, recorded_jobs, slurm_folder
@@ -37,6 +37,8 @@ def cluster():
         if os.environ.get("REQUIRE_SLURM"):
             pytest.fail("REQUIRE_SLURM is set but no SLURM cluster answers (slurm/test-cluster.sh start)")
         pytest.skip("no SLURM test cluster: start one with `sudo slurm/test-cluster.sh start` (CI does)")
+    with shared_lock("slurm-cluster", exclusive=True):  # its 2 nodes serve one test module at a time
+        yield
 
 
 JOB = [*FAST, "launcher=slurm", "trainer.nodes=2", "trainer.procs_per_node=1", "data=synthetic", "model=mlp",
@@ -314,3 +316,25 @@ def test_a_result_file_an_earlier_attempt_left_half_written_is_cleared_for_this_
         (tmp_path / f"7_{task}_result.pkl.save_tmp").write_bytes(b"cut short")
     clear_unfinished_result()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["7_0_result.pkl.save_tmp"]  # task 0's is task 0's business
+
+
+def test_a_task_whose_interpreter_would_abort_at_exit_still_ends_with_its_result(tmp_path):
+    """A finished rank can abort in the interpreter's finalization (a gloo thread; train.dist.exit_without_finalizing),
+    and SLURM recorded a job that had trained to its end as FAILED. Here the task itself makes finalization abort:
+    run with the command submitit's batch script runs, it still exits 0 with its result written."""
+    import atexit
+    from types import SimpleNamespace
+
+    from submitit.core.utils import DelayedSubmission
+    from submitit.slurm.slurm import SlurmExecutor
+
+    from launcher.slurm import task_python
+
+    DelayedSubmission(atexit.register, os.abort).dump(tmp_path / "7_submitted.pkl")  # os.abort runs at finalization
+    command = SlurmExecutor._submitit_command_str.fget(SimpleNamespace(python=task_python(), folder=tmp_path))
+    env = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
+           "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "n1"}
+    proc = subprocess.run(command, shell=True, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Job completed successfully" in proc.stdout + proc.stderr
+    assert (tmp_path / "7_0_result.pkl").exists()

@@ -1,0 +1,28 @@
+"""What each task of a SLURM job runs: submitit's job processing (load the pickled launcher.slurm.SlurmTask, run it,
+write its result for the submitter), then an end without the interpreter's finalization, as a local worker ends
+(train.dist.exit_without_finalizing says why: a gloo thread can abort a finished rank there, "terminate called
+without an active exception", and SLURM then records a job that trained to its end as FAILED).
+
+submitit runs `<python> -u -m submitit.core._submit FOLDER`; launcher.slurm gives it `<python> -u -P -m
+launcher.slurm_task` as its python, so this module gets submitit's arguments and takes the folder from the end.
+"""
+
+import sys
+import traceback
+
+from submitit.core.submission import process_job
+
+from train.dist import exit_without_finalizing
+
+
+def main(argv: list[str]) -> None:
+    try:
+        process_job(argv[-1])
+    except BaseException:  # submitit has written the error as the task's result; the traceback goes to the log
+        traceback.print_exc()
+        exit_without_finalizing(1)
+    exit_without_finalizing(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
