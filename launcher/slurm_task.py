@@ -18,6 +18,8 @@ from train.dist import exit_without_finalizing
 def main(argv: list[str]) -> None:
     try:
         process_job(argv[-1])
+    except SystemExit as stop:  # submitit's own exit after it requeued a preempted job: its code stands
+        exit_without_finalizing(stop.code if isinstance(stop.code, int) else 1)
     except BaseException:  # submitit has written the error as the task's result; the traceback goes to the log
         traceback.print_exc()
         exit_without_finalizing(1)
