@@ -213,3 +213,34 @@ def test_batches_go_to_the_gpu_through_two_reused_host_buffers():
         assert torch.equal(images, torch.full((8, 3), float(value))) and torch.equal(labels, torch.full((8,), value))
     copies(images=torch.zeros(4, 3), labels=torch.zeros(4, dtype=torch.long))  # a smaller last batch: a new buffer
     assert copies.buffers[("images", 0)].shape == (4, 3)
+
+
+def test_a_launch_that_finds_another_preparing_the_data_waits_and_does_not_write_it_again(tmp_path):
+    """data=python_stdlib is tokenized by the launch that finds it missing. A second launch into the same data.root
+    meanwhile (a sweep's points, two runs of one project) waits for the first one's lock, then finds the files made
+    and leaves them as they are (without the lock both wrote the same files over each other)."""
+    import fcntl
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, wait_for
+
+    root = tmp_path / "stdlib"
+    root.mkdir()
+    script = f"from train.config import DataConfig; from train.data import prepare; prepare(DataConfig(name='python_stdlib', root={str(root)!r}))"
+    with open(root / ".prepare.lock", "a") as first:  # the first launch, tokenizing
+        fcntl.flock(first, fcntl.LOCK_EX)
+        second = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stderr=subprocess.PIPE, text=True)
+        inode = (root / ".prepare.lock").stat().st_ino
+        waiting = lambda: any("->" in line and line.split()[6].endswith(f":{inode}")  # noqa: E731
+                              for line in open("/proc/locks").read().splitlines())
+        wait_for(lambda: waiting() or second.poll() is not None, timeout=60, what="the second launch to wait")
+        assert second.poll() is None, f"it did not wait: {second.stderr.read()[-2000:]}"
+        # the first one's files (meta.json first, the two .bin files last, as train.prepare_text writes them)
+        (root / "meta.json").write_text(json.dumps({"vocab_size": 256, "dtype": "uint16", "tokenizer": "bytes"}))
+        for name in ("val.bin", "train.bin"):
+            np.arange(100, dtype=np.uint16).tofile(root / name)
+    assert second.wait(timeout=60) == 0, second.stderr.read()[-2000:]
+    assert np.array_equal(np.fromfile(root / "train.bin", dtype=np.uint16), np.arange(100))  # not made again
+    check_available(DataConfig(name="python_stdlib", root=str(root)))

@@ -10,6 +10,8 @@ file formats) and are normalised per batch.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gzip
 import inspect
 import pickle
@@ -173,18 +175,33 @@ def prepare(cfg: DataConfig) -> None:
     if cfg.name not in FILE_BACKED:
         return
     try:
-        check_available(cfg)
+        return check_available(cfg)
     except DatasetMissing:
+        if cfg.name != "python_stdlib" and (not cfg.download or cfg.name not in SOURCES):
+            raise
+    with _preparing(Path(cfg.root)):
+        try:
+            return check_available(cfg)  # made while this launch waited
+        except DatasetMissing:
+            pass
         if cfg.name == "python_stdlib":  # on every machine: tokenized once, here, before any worker starts
             from train.prepare_text import prepare as tokenize
             from train.prepare_text import stdlib_sources
 
             tokenize(stdlib_sources(STDLIB_BYTES), Path(cfg.root))
             return
-        if not cfg.download or cfg.name not in SOURCES:
-            raise
         download(cfg)
         check_available(cfg)
+
+
+@contextlib.contextmanager
+def _preparing(root: Path):
+    """Two launches at once into one data.root (a sweep's points, two runs of one project) would write the same
+    files over each other: one makes them, the others wait for it and find them made."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".prepare.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -70,13 +70,16 @@ def prepare(files: list[Path], out_dir: Path, tokenizer: str = "bytes", val_frac
         split = int(len(tokens) * (1 - val_fraction))
         train_tokens, val_tokens = tokens[:split], tokens[split:]
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, part in (("train.bin", train_tokens), ("val.bin", val_tokens)):
-        partial = out_dir / f".{name}.partial"
-        part.tofile(partial)
-        partial.replace(out_dir / name)  # a crash never leaves a half-written file under the real name
     meta = {"vocab_size": vocab_size(tokenizer), "dtype": str(train_tokens.dtype), "tokenizer": tokenizer,
             "train_tokens": len(train_tokens), "val_tokens": len(val_tokens), "files": len(files)}
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    # meta.json first, the .bin files last: a reader that finds both .bin files (train.data.check_available) finds
+    # a complete set. A crash never leaves a half-written file under a real name.
+    (out_dir / ".meta.json.partial").write_text(json.dumps(meta, indent=2) + "\n")
+    (out_dir / ".meta.json.partial").replace(out_dir / "meta.json")
+    for name, part in (("val.bin", val_tokens), ("train.bin", train_tokens)):
+        partial = out_dir / f".{name}.partial"
+        part.tofile(partial)
+        partial.replace(out_dir / name)
     return meta
 
 
