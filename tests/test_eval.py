@@ -15,7 +15,7 @@ from torch.utils.data import DistributedSampler
 from train.batches import eval_batches
 from train.config import DataConfig, TrainerConfig
 from train.data import TensorData
-from train.dist import DistEnv
+from train.dist import DistEnv, exit_without_finalizing
 from train.evaluate import evaluate
 from train.loader import loader_eval_batches
 from train.parallel import Strategy
@@ -74,6 +74,7 @@ def _worker(rank: int, world: int, batch_size: int, lockstep: bool, source: str,
         out[rank] = evaluate(strategy, Classification(), batches, device=cpu, autocast=contextlib.nullcontext)
     finally:
         dist.destroy_process_group()
+    exit_without_finalizing()  # as the trainer's ranks: a gloo thread can abort a finished process in finalization
 
 
 # (3, 11, lockstep): shares of 34, 34 and 33 samples make 4, 4 and 3 batches; the last rank repeats one, uncounted.
