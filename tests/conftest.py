@@ -51,7 +51,7 @@ def shared_lock(name: str, exclusive: bool):
 
 @pytest.fixture(autouse=True)
 def _alone_if_timed(request):
-    """The suite runs on 2 pytest-xdist workers (pyproject.toml), two tests at once. A test marked `alone` asserts
+    """Under `pytest -n 2` (pytest-xdist, --dist=loadfile) two tests run at once. A test marked `alone` asserts
     time limits of a few seconds (hang and collective timeouts, slow I/O, one rank's stall against the other's):
     it runs with no other test beside it, so that the other's processes cannot starve its ranks."""
     with shared_lock("alone", exclusive=request.node.get_closest_marker("alone") is not None):
