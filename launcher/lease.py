@@ -25,6 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from train.files import replace_text
+
 LEASE_FILE = "lease.json"
 LOCK_FILE = ".launcher.lock"
 DURATION_S = 180.0  # a lease not renewed for this long may be taken over once its holder is gone
@@ -62,9 +64,7 @@ def read_lease(run_dir: Path) -> Lease | None:
 
 def write_lease(run_dir: Path, lease: Lease) -> None:
     path = run_dir / LEASE_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(lease), indent=2) + "\n")
-    os.replace(tmp, path)
+    replace_text(path, json.dumps(asdict(lease), indent=2) + "\n")
 
 
 def release(run_dir: Path, key: str) -> None:

@@ -22,6 +22,7 @@ from launcher.lease import RunDirBusy
 from launcher.summary import summary
 from launcher.validate import ConfigError, typed_config, validate
 from train.config import CONFIG_FILE, flatten
+from train.files import replace_text
 from train.observe.status import read_status, write_status
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -36,9 +37,7 @@ def write_snapshot(cfg: DictConfig, run_dir: Path) -> tuple[Path, list[str]]:
         old = flatten(OmegaConf.to_container(OmegaConf.load(path)))
         new = flatten(OmegaConf.to_container(OmegaConf.create(text)))
         changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    replace_text(path, text)
     return path, changed
 
 

@@ -70,13 +70,26 @@ def check_writable(directory: Path, key: str) -> None:
         sys.exit(2)
 
 
+def check_printable(overrides) -> None:
+    """Exit with a message if an override holds a control character: the command line names the run directory
+    (`name`, the run tag) and, through it, lines of SLURM's batch script (#SBATCH --output=...), where a newline
+    would start a line of its own."""
+    for override in overrides:
+        if any(ord(c) < 32 or ord(c) == 127 for c in override):
+            print(f"error: the override {override!r} holds a control character (a newline?). Values given on the "
+                  f"command line name the run directory and its SLURM job: give it without one.", file=sys.stderr)
+            sys.exit(2)
+
+
 class CheckRunDir(Callback):
     """Runs before Hydra creates the output directory, so a bad one gets our message, not a traceback."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         HydraConfig.instance().set_config(config)  # lets ${hydra:...} in the directory name resolve
+        check_printable(config.hydra.overrides.task)
         check_writable(Path(config.hydra.run.dir), "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         HydraConfig.instance().set_config(config)
+        check_printable(config.hydra.overrides.task)
         check_writable(Path(config.hydra.sweep.dir), "hydra.sweep.dir")

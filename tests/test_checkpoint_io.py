@@ -144,3 +144,19 @@ def test_async_staging_reuses_its_buffers_and_copies_the_current_values():
     assert torch.equal(second, torch.ones(1000))
     weight.add_(1)
     assert torch.equal(second, torch.ones(1000))  # training goes on; the staged copy keeps its step's values
+
+
+@pytest.mark.parametrize("escape", ["../secret.distcp", "/etc/passwd", "sub/__0_0.distcp"])
+def test_an_index_placing_shards_outside_its_directory_is_refused(tmp_path, escape):
+    """DCP reads each chunk from the file its index names, relative to the step directory: a crafted index (its
+    manifest vouching for it) must not make a resume read files elsewhere."""
+    import torch.distributed.checkpoint as dcp_api
+
+    step = tmp_path / "step_00000001"
+    dcp_api.save({"model": {"w": torch.ones(2)}}, storage_writer=dcp_api.FileSystemWriter(step), no_dist=True)
+    metadata = dcp_index.read_metadata(step)
+    for info in metadata.storage_data.values():
+        info.relative_path = escape
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(dcp_index.UnsafeCheckpoint, match="places shards outside its directory"):
+        dcp_index.read_metadata(step)

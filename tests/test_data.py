@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 import pickle
 import struct
 
@@ -244,3 +245,26 @@ def test_a_launch_that_finds_another_preparing_the_data_waits_and_does_not_write
     assert second.wait(timeout=60) == 0, second.stderr.read()[-2000:]
     assert np.array_equal(np.fromfile(root / "train.bin", dtype=np.uint16), np.arange(100))  # not made again
     check_available(DataConfig(name="python_stdlib", root=str(root)))
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: what a crafted data file would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_cifar_batch_that_would_run_code_is_refused_unrun(tmp_path):
+    directory = tmp_path / "cifar-10-batches-py"
+    directory.mkdir()
+    marker = tmp_path / "ran"
+    batch = {b"data": np.zeros((1, 3072), dtype=np.uint8), b"labels": [0], b"extra": _RunsCode(marker)}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(directory / name, "wb") as f:
+            pickle.dump(batch, f)
+    with pytest.raises(ValueError, match=r"data_batch_1 was refused as a CIFAR-10 batch: it names posix.system"):
+        cifar10("train", root=str(tmp_path))
+    assert not marker.exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from launcher.rundir import MAX_TAG, run_tag
 
 
@@ -31,3 +33,57 @@ def test_names_are_safe_and_bounded():
     long = run_tag([f"model.hidden=[{','.join(['512'] * 80)}]"])
     assert len(long) == MAX_TAG
     assert long != run_tag([f"model.hidden=[{','.join(['512'] * 81)}]"])  # the hash keeps them apart
+
+
+def _write_snapshots(run_dir: str, value: int, times: int, errors) -> None:
+    from omegaconf import OmegaConf
+
+    from launcher.main import write_snapshot
+    from train.observe.status import write_status
+
+    cfg = OmegaConf.create({"writer": value, "padding": "x" * 20000})
+    try:
+        for _ in range(times):
+            write_snapshot(cfg, Path(run_dir))
+            write_status(Path(run_dir), "running", writer=value, padding="y" * 20000)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        errors.put(repr(error))
+
+
+def test_launchers_of_several_nodes_write_one_snapshot_and_status_without_collisions(tmp_path):
+    """The launchers of a multi-node local run write config.yaml (and status.json) into one shared directory at
+    once: each write is whole and none fails (one temporary name per file raised FileNotFoundError, or renamed a
+    half-written file into place)."""
+    import json
+    import multiprocessing
+
+    from omegaconf import OmegaConf
+
+    context = multiprocessing.get_context("fork")
+    errors = context.Queue()
+    writers = [context.Process(target=_write_snapshots, args=(str(tmp_path), v, 100, errors)) for v in (1, 2)]
+    for w in writers:
+        w.start()
+    torn = 0
+    while any(w.is_alive() for w in writers):
+        for name in ("config.yaml", "status.json"):
+            try:
+                text = (tmp_path / name).read_text()
+            except FileNotFoundError:
+                continue
+            whole = OmegaConf.create(text).get("padding") == "x" * 20000 if name == "config.yaml" else \
+                json.loads(text)["padding"] == "y" * 20000
+            torn += not whole
+    for w in writers:
+        w.join()
+    failures = [errors.get() for _ in range(errors.qsize())]
+    assert failures == [] and torn == 0
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_control_character_in_an_override_is_refused_before_a_directory_is_made(launch, tmp_path):
+    """A newline in `name` (or any override) would name the run directory and split SLURM's #SBATCH --output= line."""
+    result = launch("launcher.dry_run=true", 'name="two\nlines"')
+    assert result.returncode == 2
+    assert "holds a control character" in result.stderr and "name=" in result.stderr
+    assert not (tmp_path / "runs").exists()

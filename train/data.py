@@ -237,10 +237,31 @@ def _load_idx(cfg: DataConfig) -> tuple[TensorData, TensorData]:
     return train, evals
 
 
+# What a CIFAR-10 python batch names: numpy's array and scalar reconstruction (numpy 1 and 2 module names), nothing
+# that acts on the world when called. A file that names anything else is refused before it runs.
+_CIFAR_GLOBALS = {
+    (module, name)
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray")
+    for name in ("_reconstruct", "scalar")
+} | {("numpy", "ndarray"), ("numpy", "dtype")}
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) not in _CIFAR_GLOBALS:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which a CIFAR-10 batch never holds")
+        return super().find_class(module, name)
+
+
 def read_cifar_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """One CIFAR-10 python batch: a pickled dict with b'data' (N x 3072 uint8, CHW order) and b'labels'."""
+    """One CIFAR-10 python batch: a pickled dict with b'data' (N x 3072 uint8, CHW order) and b'labels'. Read with
+    an allowlist of numpy's array classes: a pickle runs whatever it names, and nothing read from disk runs code."""
     with open(path, "rb") as f:
-        batch = pickle.load(f, encoding="bytes")
+        try:
+            batch = _CifarUnpickler(f, encoding="bytes").load()
+        except pickle.UnpicklingError as error:
+            raise ValueError(f"{path} was refused as a CIFAR-10 batch: {error}. Download the data set again "
+                             f"(data.download=true) into an empty data.root.") from None
     images = torch.as_tensor(batch[b"data"], dtype=torch.uint8).reshape(-1, 3, 32, 32)
     return images, torch.as_tensor(batch[b"labels"], dtype=torch.long)
 

@@ -53,6 +53,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpoint(f"it names {module}.{name}, which is not one of DCP's metadata classes")
 
 
+def _inside(relative_path) -> bool:
+    """A shard's file as DCP's index names it: a plain name in the step directory (DCP writes `__R_N.distcp`)."""
+    return isinstance(relative_path, str) and relative_path not in ("", ".", "..") and "/" not in relative_path \
+        and "\\" not in relative_path and "\0" not in relative_path
+
+
 def read_metadata(directory: Path):
     """DCP's index of a step directory, unpickled with an allowlist (DCP itself uses a bare pickle.load, which runs
     whatever the file names). Raises UnsafeCheckpoint, naming the file and the reason, for anything else."""
@@ -69,6 +75,12 @@ def read_metadata(directory: Path):
         raise UnsafeCheckpoint(f"{directory.name}/{METADATA} is not a readable DCP index ({error})") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpoint(f"{directory.name}/{METADATA} holds a {type(metadata).__name__}, not DCP's Metadata")
+    escaping = sorted({info.relative_path for info in (metadata.storage_data or {}).values()
+                       if not _inside(getattr(info, "relative_path", None))})
+    if escaping:
+        raise UnsafeCheckpoint(
+            f"{directory.name}/{METADATA} places shards outside its directory ({', '.join(map(repr, escaping[:3]))}): "
+            f"reading them would read other files. Do not resume from this directory; move it away.")
     others = [key for key, item in metadata.state_dict_metadata.items() if not isinstance(item, TensorStorageMetadata)]
     if others:
         raise UnsafeCheckpoint(

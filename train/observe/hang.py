@@ -24,6 +24,8 @@ import time
 import traceback
 from pathlib import Path
 
+from train.files import replace_text
+
 HANG_DIR = "hang"
 REQUEST = "request"
 SUMMARY = "summary.txt"
@@ -105,9 +107,7 @@ class HangReports:
                   "collectives": collectives_done(), "where": where, **state, "stacks": stacks}
         folder = self.root / incident
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".rank{self.rank}.json.tmp"
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
-        os.replace(tmp, folder / f"rank{self.rank}.json")
+        replace_text(folder / f"rank{self.rank}.json", json.dumps(report, indent=1) + "\n")
         self.answered = incident
 
     def answer_request(self, state: dict) -> None:
@@ -131,9 +131,7 @@ class HangReports:
 
     def summarise(self, incident: str, reports: list[dict]) -> Path:
         path = self.root / incident / SUMMARY
-        tmp = path.with_name(f".{SUMMARY}.tmp")
-        tmp.write_text(summary(reports, self.world_size, incident))
-        os.replace(tmp, path)
+        replace_text(path, summary(reports, self.world_size, incident))
         (self.root / REQUEST).unlink(missing_ok=True)  # answered: a later attempt's hang opens its own
         return path
 

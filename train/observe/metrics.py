@@ -13,11 +13,11 @@ its load time, restarts, profiled steps: notes) or that the config already holds
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from train.dist import DistEnv
+from train.files import replace_text
 from train.observe.trackers import TrackedRun
 
 METRICS_FILE = "metrics.jsonl"
@@ -112,9 +112,7 @@ def _truncate_jsonl(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    replace_text(path, "".join(line + "\n" for line in kept))
 
 
 def _step_of(line: str) -> float:

@@ -7,18 +7,17 @@ or is submitted to SLURM. A re-run skips a finished run whose config did not cha
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
+
+from train.files import replace_text
 
 STATUS_FILE = "status.json"
 
 
 def write_status(run_dir: Path, status: str, **details) -> None:
     path = run_dir / STATUS_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"status": status, "time": time.time(), **details}, indent=2) + "\n")
-    os.replace(tmp, path)
+    replace_text(path, json.dumps({"status": status, "time": time.time(), **details}, indent=2) + "\n")
 
 
 def read_status(run_dir: Path) -> dict:

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from train.files import replace_text
 
 TRACKERS_DIR = "trackers"  # RUN_DIR/trackers/<name>.json: what a tracker needs to continue the same run
 
@@ -59,9 +60,7 @@ class TrackedRun:
     def save_state(self, tracker: str, state: dict) -> None:
         path = self.run_dir / TRACKERS_DIR / f"{tracker}.json"
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(state) + "\n")
-        os.replace(tmp, path)
+        replace_text(path, json.dumps(state) + "\n")
 
 
 def scalar_hparams(hparams: dict) -> dict:
