@@ -95,3 +95,45 @@ def test_a_padded_sampler_would_have_counted_samples_twice():
     """Why the above matters: DistributedSampler pads 101 samples to 102 on 2 ranks."""
     total = sum(len(DistributedSampler(range(N), num_replicas=2, rank=r, shuffle=False)) for r in range(2))
     assert total == N + 1
+
+
+class PositionedStream(torch.utils.data.IterableDataset):
+    """A stream that keeps its position, as a stateful one does (examples/diabetes' SampleStream): iterated again
+    without set_epoch it continues from where it ended, i.e. yields nothing."""
+
+    def __init__(self, data: TensorData):
+        self.samples = Samples(data)
+        self.position = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.position = 0
+
+    def __iter__(self):
+        while self.position < len(self.samples):
+            self.position += 1
+            yield self.samples[self.position - 1]
+
+
+@contextlib.contextmanager
+def lone_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_stream_is_evaluated_from_its_start_every_time_and_an_empty_evaluation_says_so():
+    """The second evaluation of a stream that keeps its position got no batch and died with KeyError: 'count'."""
+    from train.streams import stream_eval_batches
+
+    data, model = make_case()
+    stream, cpu = PositionedStream(data), torch.device("cpu")
+    cfg = DataConfig(eval_batch_size=16, num_workers=0)
+    with lone_process_group():
+        strategy = Strategy(model, TrainerConfig(), DistEnv(0, 0, 1, 1), cpu)
+        first, second = (evaluate(strategy, Classification(), stream_eval_batches(stream, cfg, cpu, False), cpu,
+                                  contextlib.nullcontext) for _ in range(2))
+        assert first == second and first["acc"] == reference()["acc"]
+        with pytest.raises(RuntimeError, match="the evaluation counted no sample on any rank: data.eval gave no batch"):
+            evaluate(strategy, Classification(), iter([]), cpu, contextlib.nullcontext)

@@ -45,6 +45,10 @@ def evaluate(
     known: list = [None] * dist.get_world_size()
     dist.all_gather_object(known, list(totals))
     names = next((n for n in known if n), [])
+    if not names:
+        raise RuntimeError("the evaluation counted no sample on any rank: data.eval gave no batch. Check that it is "
+                           "not empty and, for a stream (an IterableDataset), that iterating it again starts from its "
+                           "beginning (set_epoch(0) is called before each evaluation).")
     vector = torch.stack([totals.get(n, torch.zeros((), dtype=torch.float64, device=device)).to(device) for n in names]) \
         if names else torch.zeros(0, dtype=torch.float64, device=device)
     dist.all_reduce(vector)

@@ -6,7 +6,8 @@ The contract with a user's `torch.utils.data.IterableDataset` (data.train / data
   `torch.utils.data.get_worker_info()`, as for any DataLoader;
 - `__len__` is the number of samples in one epoch, all ranks together (it sets the plan's steps per epoch); each
   rank's iteration must yield at least its share;
-- `set_epoch(epoch)`, if defined, is called before each epoch (workers are started afresh each epoch, so they see it);
+- `set_epoch(epoch)`, if defined, is called before each epoch (workers are started afresh each epoch, so they see it),
+  and with 0 before each evaluation of data.eval (which must then yield its samples from the start);
 - `state_dict()` / `load_state_dict()`, if defined (torchdata's Stateful protocol), save and restore its position:
   a resumed run continues where it stopped without reading the samples before. Without them, the stream is
   fast-forwarded by reading and dropping the samples already seen (exact, but it costs their reading time).
@@ -140,6 +141,10 @@ def stream_eval_batches(dataset: IterableDataset, cfg: DataConfig, device: torch
     last batch, uncounted. The stream must give every rank at least one batch."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
+    # Every evaluation reads the set from its start: a stream that keeps its position (its state_dict) would
+    # otherwise give the second evaluation nothing. The same epoch each time: the same samples, in the same order.
+    if callable(getattr(dataset, "set_epoch", None)):
+        dataset.set_epoch(0)
     options = {**loader_options(cfg, device), "persistent_workers": False}
     batches = (to_device(b, device) for b in StatefulDataLoader(dataset, batch_size=cfg.eval_batch_size, **options))
     if not lockstep:
