@@ -157,8 +157,10 @@ def checkpoint_at(run_dir: Path, step: int) -> dict:
 def _read_checkpoint(path: Path) -> dict:
     from train.checkpoint import dcp
 
-    if path.is_dir():
-        return {**dcp.load_trainer_state(path), "model": dcp.read_model(path)}
+    if path.is_dir():  # seen as a single file would hold it: every rank's RNG and data position in lists
+        ranks = [dcp.load_rank_state(path, r) for r in range(dcp.read_manifest(path)["world_size"])]
+        return {**dcp.load_trainer_state(path), "model": dcp.read_model(path), "rng": [r["rng"] for r in ranks],
+                "data": [r["data"] for r in ranks]}
     return torch.load(path, weights_only=True)
 
 

@@ -55,10 +55,13 @@ def test_a_step_directory_is_committed_by_a_manifest_of_every_file(halfway):
     manifest = dcp.read_manifest(found[-1].path)
     assert manifest["world_size"] == 2 and manifest["step"] == 7 and manifest["commit"] == found[-1].commit
     names = {p.name for p in found[-1].path.iterdir()} - {dcp.MANIFEST}
-    assert set(manifest["files"]) == names and {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainer.pt"} <= names
+    assert set(manifest["files"]) == names
+    assert {"__0_0.distcp", "__1_0.distcp", "rank_00000.pt", "rank_00001.pt", ".metadata", "trainer.pt"} <= names
     assert dcp.verify(found[-1].path) is None
     state = dcp.load_trainer_state(found[-1].path)  # weights_only: no pickled code anywhere
-    assert "model" not in state and len(state["rng"]) == 2 and state["step"] == 7
+    assert "model" not in state and "rng" not in state and state["step"] == 7  # each rank's RNG: in its own file
+    ranks = [dcp.load_rank_state(found[-1].path, r) for r in (0, 1)]
+    assert not torch.equal(ranks[0]["rng"]["torch"], ranks[1]["rng"]["torch"])
 
 
 def test_fsdp_saved_by_2_resumes_with_1_then_ddp_then_3_processes(straight, halfway, tmp_path):

@@ -194,6 +194,34 @@ def all_gather_objects(value, group=None) -> list:
     return values
 
 
+def gather_to_main(value, group=None) -> list | None:
+    """Every rank's `value` in rank order on the group's first rank, None on the others (collective over `group`).
+    For what only rank 0 uses: each rank sends one object, where an all-gather would send every rank all of them
+    (O(world) per rank, O(world^2) in all)."""
+    if not dist.is_initialized():
+        return [value]
+    mine = dist.get_rank(group) == 0
+    values: list | None = [None] * dist.get_world_size(group) if mine else None
+    dist.gather_object(value, values, group=group, group_dst=0)
+    return values
+
+
+def first_given(value, group=None, device: torch.device | str = "cpu"):
+    """The `value` of the first rank (in rank order) that has one (not None), on every rank; None if none has.
+    One all-reduce of a number and one broadcast of one object, whatever the world size (collective over
+    `group`; `device`: where the group's tensors live, the GPU under NCCL)."""
+    if not dist.is_initialized():
+        return value
+    world = dist.get_world_size(group)
+    first = torch.tensor([dist.get_rank(group) if value is not None else world], device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    if int(first.item()) == world:
+        return None
+    box = [value]
+    dist.broadcast_object_list(box, group=group, group_src=int(first.item()))
+    return box[0]
+
+
 def broadcast_from_main(value, group=None):
     """Rank 0's `value` on every rank (collective over `group`); `value` itself in a lone process without a group."""
     if not dist.is_initialized():

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from train.dist import first_given
 from train.parallel import Strategy
 from train.step import model_call
 
@@ -41,10 +42,9 @@ def evaluate(
                 totals[name] = totals.get(name, 0) + value.detach().double()
         heartbeat()
     strategy.model.train()
-    # Ranks that scored nothing (a pipeline's first stages) learn the names from the others: one small gather.
-    known: list = [None] * dist.get_world_size()
-    dist.all_gather_object(known, list(totals))
-    names = next((n for n in known if n), [])
+    # Ranks that scored nothing (a pipeline's first stages) learn the names from the first rank that did: a number
+    # and one list, whatever the world size.
+    names = first_given(list(totals) or None, device=device) or []
     if not names:
         raise RuntimeError("the evaluation counted no sample on any rank: data.eval gave no batch. Check that it is "
                            "not empty and, for a stream (an IterableDataset), that iterating it again starts from its "

@@ -45,7 +45,7 @@ from train.streams import StreamBatches, stream_eval_batches
 from train.observe.throughput import flops_per_token, peak_tflops
 from train.parallel import Strategy, memory_format, place
 from train.strategies import build_strategy
-from train.state import Progress, build_state, gather_rng, restore_state, seed_rank, sharded_parts
+from train.state import Progress, build_state, own_state, restore_state, seed_rank, sharded_parts
 from train.observe.status import write_status
 from train.step import (ForwardClock, Meter, SavedActivations, build_autocast, set_matmul_precision, train_step,
                         uses_tf32)
@@ -178,14 +178,14 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
         log.info("a fresh start from the weights in %s", cfg.checkpoint.init_from)
     if state is not None:
         parts = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, plan=plan, env=env,
-                     config=to_dict(cfg), read_tensors=ckpt.read_tensors)
+                     config=to_dict(cfg), read_tensors=ckpt.read_tensors,
+                     rank_state=lambda rank: ckpt.rank_state(state, rank))
         progress = restore_state(state, **parts)
         ckpt.saved_step = progress.step
         progress.load_s = time.perf_counter() - started
     batches = train_source(cfg, data.train, strategy, plan, device, fmt)
-    if state is not None and state.get("data") and state["world_size"] == plan.world_size \
-            and state["global_batch"] == plan.global_batch:
-        batches.load_state_dict(state["data"][env.rank])
+    if state is not None and state["world_size"] == plan.world_size and state["global_batch"] == plan.global_batch:
+        batches.load_state_dict((ckpt.rank_state(state, env.rank) or {}).get("data"))
     return Run(
         cfg, run_dir, env, device, data, task, plan, strategy, fmt, optimizer, scheduler, scaler,
         build_autocast(cfg.trainer.precision, device), ckpt, progress, resumed=state is not None, control=control,
@@ -217,22 +217,24 @@ def build_initial_model(cfg: TrainConfig):
 
 
 def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
-    """Every rank takes part: gathering RNG states and data positions are collectives, and so are gathering the
-    model's parts onto rank 0 (format file, under fsdp or pipeline) or writing them in parallel (format dcp). A
-    single file is written by rank 0 alone while the others wait for it (its stream watched, see the manager)."""
+    """Every rank takes part: gathering RNG states and data positions onto rank 0 (format file; a step directory
+    has a small file per rank instead) is a collective, and so are gathering the model's parts onto rank 0 (format
+    file, under fsdp or pipeline) or writing them in parallel (format dcp). A single file is written by rank 0
+    alone while the others wait for it (its stream watched, see the manager)."""
     step, started = run.progress.step, time.perf_counter()
     if run.ckpt.saved_step == step:
         if is_best:
             run.ckpt.wait()  # best/ links the files of the step being written
             run.ckpt.mark_best(step)
         return
-    tensors, plain = sharded_parts(run.strategy, run.optimizer) if run.ckpt.format == "dcp" else (None, None)
+    own, sharded = own_state(run.batches), run.ckpt.format == "dcp"
+    tensors, plain = sharded_parts(run.strategy, run.optimizer, run.ckpt.group) if sharded else (None, None)
     state = build_state(
         strategy=run.strategy, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
-        progress=run.progress, plan=run.plan, rng=gather_rng(),
-        data=distributed.all_gather_objects(run.batches.state_dict()), config=to_dict(run.cfg), sharded_plain=plain,
+        progress=run.progress, plan=run.plan, ranks=None if sharded else distributed.gather_to_main(own, run.ckpt.group),
+        config=to_dict(run.cfg), sharded_plain=plain,
     )
-    run.ckpt.save(state, step, tensors=tensors, best=is_best)
+    run.ckpt.save(state, step, tensors=tensors, best=is_best, own=own)
     if metrics is not None:  # how long training stood still for this save (with async_save: the staging copy)
         metrics.log("checkpoint", step, {"stall_s": time.perf_counter() - started, "async": float(run.ckpt.background is not None)})
 
@@ -341,7 +343,7 @@ def fit(run: Run) -> Outcome:
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     console = build_console(env, cfg.trainer.progress, plan.stop_step, progress.step)
     metrics = build_metrics(env, cfg.loggers, tracked_run(run))
-    hosts = distributed.all_gather_objects(socket.gethostname())  # where each rank runs, for the record
+    hosts = distributed.gather_to_main(socket.gethostname(), run.control)  # where each rank runs, for the record
     if env.is_main:
         record = {**plan.to_dict(), "hosts": hosts, "threads_per_process": torch.get_num_threads()}
         (run.run_dir / PLAN_FILE).write_text(json.dumps(record, indent=2) + "\n")

@@ -1,7 +1,8 @@
 """What a checkpoint holds, and putting it back: model, optimizer, scheduler, scaler, position, every rank's RNG.
 
-Building the state gathers every rank's RNG state (a collective: call it on every rank); restoring reads this
-rank's own entry, so a resumed run draws the same random numbers (dropout, ...) as an uninterrupted one.
+Every rank's RNG state and data position are saved (gathered onto rank 0 for a single file, one small file per rank
+in a step directory); restoring reads this rank's own entry, so a resumed run draws the same random numbers
+(dropout, ...) as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from train.checkpoint import dcp
 from train.config import flatten
-from train.dist import DistEnv, all_gather_objects
+from train.dist import DistEnv, gather_to_main
 from train.identity import describe, identity_changes
 from train.optim import Plan
 from train.parallel import Strategy
@@ -63,13 +64,10 @@ def restore_rng(state: dict) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def gather_rng() -> list[dict]:
-    """Every rank's RNG state, in rank order (collective)."""
-    return [_to_cpu(s) for s in all_gather_objects(capture_rng())]
-
-
-def _to_cpu(state: dict) -> dict:
-    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+def own_state(batches) -> dict:
+    """What a checkpoint keeps of this rank alone: its RNG state and its position in its data stream."""
+    rng = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in capture_rng().items()}
+    return {"rng": rng, "data": batches.state_dict()}
 
 
 def build_state(
@@ -80,13 +78,13 @@ def build_state(
     scaler: torch.amp.GradScaler,
     progress: Progress,
     plan: Plan,
-    rng: list[dict],
-    data: list,
+    ranks: list[dict] | None,
     config: dict,
     sharded_plain: dict | None = None,
 ) -> dict:
     """The checkpoint's state. With `sharded_plain` (format dcp: the non-tensor leaves of every rank's sharded
-    state) it leaves out the model and optimizer, whose tensors the ranks write themselves."""
+    state) it leaves out the model and optimizer, whose tensors the ranks write themselves. `ranks`: every rank's
+    `own_state` (format file; a step directory holds one file per rank instead)."""
     epoch, step_in_epoch = divmod(progress.step, plan.steps_per_epoch)
     if sharded_plain is None:  # the whole model, plain: loads into build_model() on one device
         tensors = {"model": strategy.model_state(), "optimizer": strategy.optimizer_state(optimizer)}
@@ -107,8 +105,8 @@ def build_state(
         "plan": plan.to_dict(),
         "world_size": plan.world_size,
         "global_batch": plan.global_batch,
-        "rng": rng,
-        "data": data,  # each rank's position in its data stream (None where the step says it all)
+        **({"rng": [r["rng"] for r in ranks],
+            "data": [r["data"] for r in ranks]} if ranks is not None else {}),  # each rank's position in its stream
         "config": config,
     }
 
@@ -128,6 +126,7 @@ def restore_state(
     env: DistEnv,
     config: dict,
     read_tensors=None,
+    rank_state=None,
 ) -> Progress:
     """Put a checkpoint back. Same world size and global batch: exactly where it stopped, RNG included.
 
@@ -141,7 +140,10 @@ def restore_state(
 
     A step directory (format dcp, `state["sharded"]`) is read into this run's own layout by `read_tensors`
     (CheckpointManager.read_tensors): any world size, any strategy. A single file resumes under the strategy that
-    wrote it.
+    wrote it. `rank_state(r)`: what rank r saved of its own (CheckpointManager.rank_state).
+
+    The ranks of a tensor-parallel group hold one activation and draw the same random numbers (they are seeded
+    alike): each takes the RNG state of its group's first rank, so a group stays in step after a change of layout.
     """
     changes = identity_changes(state["config"], config)
     if changes:
@@ -171,8 +173,9 @@ def restore_state(
     for group, values in zip(optimizer.param_groups, hyperparameters):
         group.update(values)
     scaler.load_state_dict(state["scaler"])
-    if env.rank < len(state["rng"]):
-        restore_rng(state["rng"][env.rank])
+    saved_rng = (rank_state(env.rank - env.rank % strategy.layout.tp) or {}).get("rng") if rank_state else None
+    if saved_rng is not None:
+        restore_rng(saved_rng)
     evaluated = state.get("eval_step", state["step"]) == state["step"]  # files from before eval_step: evaluated
     if state["world_size"] == plan.world_size and state["global_batch"] == plan.global_batch:
         step = state["step"]
@@ -207,12 +210,13 @@ def restore_sharded(state: dict, strategy: Strategy, optimizer: torch.optim.Opti
     strategy.load_sharded_state(optimizer, target)
 
 
-def sharded_parts(strategy: Strategy, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """(this rank's tensors, every rank's non-tensor leaves) of the sharded state (collective: gathers the
-    latter, which are small: a user optimizer's counters, a module's extra state)."""
+def sharded_parts(strategy: Strategy, optimizer: torch.optim.Optimizer, group=None) -> tuple[dict, dict]:
+    """(this rank's tensors, every rank's non-tensor leaves) of the sharded state (collective over `group`: gathers
+    the latter onto rank 0, which writes them; they are small: a user optimizer's counters, a module's extra
+    state). The leaves are {} on the other ranks."""
     tensors, plain = dcp.split(strategy.sharded_state(optimizer))
     merged: dict = {}
-    for part in all_gather_objects({k: v for k, v in plain.items() if not k.startswith("optimizer/param_groups")}):
+    for part in gather_to_main({k: v for k, v in plain.items() if not k.startswith("optimizer/param_groups")}, group) or []:
         merged.update(part)
     return tensors, merged
 

@@ -4,7 +4,8 @@ torch.distributed.checkpoint (DCP), committed by a manifest.
     step_00000030/
         __0_0.distcp ...  each rank's shards of the model and optimizer state (DCP writes replicated tensors once)
         .metadata         DCP's index: which chunk of which tensor lies where (what makes resharding possible)
-        trainer.pt        everything else, small, from rank 0: step, RNG and data positions of every rank, config
+        rank_00000.pt ... each rank's own small state: its RNG and its position in its data stream
+        trainer.pt        everything else, small, from rank 0: step, schedule, best metric, plan, config
         manifest.json     written last and atomically by rank 0: every file's size and sha256, the world size,
                           the commit sequence. A directory without it was never committed.
 
@@ -44,6 +45,8 @@ from train.dist import patient
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.pt"
 SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's name for the files of the rank it names
+RANK_STATE = "rank_{:05d}.pt"  # a rank's own small state: its RNG and data position
+OWNED = re.compile(r"^(?:__(\d+)_\d+\.distcp|rank_(\d+)\.pt)$")  # files of the rank they name
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -213,6 +216,20 @@ def write_trainer_state(state: dict, directory: Path, watch: Watch = unwatched) 
     return {TRAINER_STATE: {"size": stream.size, "sha256": stream.hexdigest()}}
 
 
+def write_rank_state(own: dict, directory: Path, rank: int, watch: Watch = unwatched) -> dict[str, dict]:
+    name = RANK_STATE.format(rank)
+    with hashed_write(directory / name, watch) as stream:
+        save_into(own, stream)
+    return {name: {"size": stream.size, "sha256": stream.hexdigest()}}
+
+
+def load_rank_state(directory: Path, rank: int) -> dict | None:
+    """What `rank` saved of its own (verified with the rest: its file is in the manifest); None if the run that
+    wrote the directory had no such rank."""
+    path = directory / RANK_STATE.format(rank)
+    return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
+
+
 def commit(directory: Path, meta: dict, files: dict[str, dict]) -> None:
     """Write the manifest from every rank's digests, last and atomically: from here on the step directory counts as
     a checkpoint. Every file there must be one that a rank vouched for, at the size it wrote (a stat, no read)."""
@@ -243,30 +260,32 @@ def read_manifest(directory: Path) -> dict | None:
 
 
 def verifier(name: str, index: int, world_size: int) -> int:
-    """The rank that hashes file `name` (the `index`-th of the manifest) on resume: a shard goes to the rank of the
-    same number (the one that reads it next at an unchanged world size), any other file round-robin."""
-    match = SHARD.match(name)
-    return (int(match.group(1)) if match else index) % world_size
+    """The rank that checks file `name` (the `index`-th of the manifest) on resume: a rank's shards and state file
+    go to the rank of the same number (the one that reads them next at an unchanged world size), any other file
+    round-robin."""
+    match = OWNED.match(name)
+    return (int(match.group(1) or match.group(2)) if match else index) % world_size
 
 
 def verify(directory: Path, rank: int = 0, world_size: int = 1, watch: Watch = unwatched) -> str | None:
-    """What is wrong with the files of `directory` that fall to `rank` of `world_size` (`verifier`), or None. Sizes
-    of all files are checked first: a truncated shard is found without reading it."""
+    """What is wrong with the files of `directory` that fall to `rank` of `world_size` (`verifier`), or None. Each
+    rank looks at its share only, so that the file system's metadata operations per rank do not grow with the
+    number of ranks; the size first (a truncated shard is found without reading it), then the sha256."""
     manifest = read_manifest(directory)
     if manifest is None:
         return f"{directory.name} has no {MANIFEST}: its write never finished"
     if "files" not in manifest:
         return f"{directory.name}/{MANIFEST} is unreadable"
-    names = sorted(manifest["files"])
-    for name in names:
+    mine = [name for index, name in enumerate(sorted(manifest["files"])) if verifier(name, index, world_size) == rank]
+    for name in mine:
         path, expected = directory / name, manifest["files"][name]
-        if not path.is_file():
+        try:
+            size = path.stat().st_size
+        except (FileNotFoundError, NotADirectoryError):
             return f"{directory.name}/{name} is missing"
-        if path.stat().st_size != expected["size"]:
-            return f"{directory.name}/{name} has {path.stat().st_size} bytes, the manifest says {expected['size']}"
-    for index, name in enumerate(names):
-        if verifier(name, index, world_size) != rank:
-            continue
+        if size != expected["size"]:
+            return f"{directory.name}/{name} has {size} bytes, the manifest says {expected['size']}"
+    for name in mine:
         actual, _ = hash_file(directory / name, watch)
         if actual != manifest["files"][name]["sha256"]:
             return f"{directory.name}/{name} is corrupted (found by rank {rank}): its sha256 is {actual[:12]}..., " \

@@ -23,7 +23,7 @@ from train.checkpoint.file import CheckpointDamaged, CheckpointSaveError
 from train.checkpoint.io import os_error, unwatched
 from train.checkpoint.staging import BackgroundWriter, Stager
 from train.config import CheckpointConfig
-from train.dist import all_gather_objects, broadcast_from_main, patient
+from train.dist import broadcast_from_main, first_given, gather_to_main, patient
 
 log = logging.getLogger("train.checkpoint")
 
@@ -82,9 +82,11 @@ class CheckpointManager:
 
     # --- saving -------------------------------------------------------------------------------------------------
 
-    def save(self, state: dict, step: int, tensors: dict | None = None, best: bool = False) -> None:
+    def save(self, state: dict, step: int, tensors: dict | None = None, best: bool = False,
+             own: dict | None = None) -> None:
         """Save `state` as the checkpoint of `step`: as one file (it holds the full model and optimizer state), or
-        with `tensors` (this rank's shards, format dcp) as a step directory. Every rank calls it."""
+        with `tensors` (this rank's shards, format dcp) as a step directory, where `own` (this rank's RNG and data
+        position, train.state.own_state) is a file of this rank's. Every rank calls it."""
         self.wait()
         self.saved_step = step
         meta = {"commit": self.next_commit, "step": step}
@@ -99,10 +101,10 @@ class CheckpointManager:
         meta["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
         if self.background is None:
             with self.waiting("writing a sharded checkpoint"):
-                self._write_dir(tensors, state, path, meta, best)
+                self._write_dir(tensors, state, own, path, meta, best)
         else:
             staged = self.stager.stage(tensors)  # the training stalls for this copy only
-            self.background.submit(self._write_dir, staged, state, path, meta, best)
+            self.background.submit(self._write_dir, staged, state, own, path, meta, best)
 
     def wait(self) -> None:
         """Finish the save in flight, if any (every rank). A failed background save raises here."""
@@ -126,14 +128,17 @@ class CheckpointManager:
         if dist.is_initialized():
             dist.barrier(group=self.group)  # every rank's save ends when the file is committed
 
-    def _write_dir(self, tensors: dict, state: dict, path: Path, meta: dict, best: bool) -> None:
-        """Every rank writes and hashes its shards; the writer adds trainer.pt and commits the manifest of every
-        rank's digests (no file is read again)."""
+    def _write_dir(self, tensors: dict, state: dict, own: dict | None, path: Path, meta: dict, best: bool) -> None:
+        """Every rank writes and hashes its shards and its own small state; the writer adds trainer.pt and commits
+        the manifest of every rank's digests, gathered onto it (no file is read again)."""
         tmp = dcp.writing(path)
         try:
             mine = dcp.write_tensors(tensors, tmp, self.group, self.watchdog.io)
+            if own is not None:  # after DCP's first collective: the writer has prepared the directory by then
+                rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+                mine.update(dcp.write_rank_state(own, tmp, rank, self.watchdog.io))
             files = {}
-            for written in all_gather_objects(mine, self.group):
+            for written in gather_to_main(mine, self.group) or []:
                 files.update(written)
             if self.is_writer:
                 files.update(dcp.write_trainer_state(state, tmp, self.watchdog.io))
@@ -191,8 +196,8 @@ class CheckpointManager:
         return None
 
     def _agreed(self, problem: str | None) -> str | None:
-        """The first rank's problem, on every rank (collective)."""
-        return next((p for p in all_gather_objects(problem, self.group) if p), None)
+        """The first rank's problem, on every rank (collective; O(1) per rank whatever the world size)."""
+        return first_given(problem or None, self.group)
 
     def _open_file(self, path: Path) -> tuple[str | None, dict | None]:
         """Verified once per node (by its first rank, streaming: it also fills the node's page cache), then mapped
@@ -213,16 +218,28 @@ class CheckpointManager:
         return self._agreed(problem), state
 
     def _open_dir(self, path: Path, rank: int, world_size: int) -> tuple[str | None, dict | None]:
-        """Each rank hashes its share (the shards it reads next), checks that DCP's index names nothing but DCP's
-        own classes and reads the small trainer state (weights only)."""
+        """Each rank checks and hashes its share of the files (the shards it reads next), the writer checks that
+        DCP's index names nothing but DCP's own classes (every rank's DCP reader checks it again as it reads it, once),
+        and each rank reads the small trainer state (weights only)."""
         problem, state = dcp.verify(path, rank, world_size, self.watchdog.io), None
         if problem is None:
             try:
-                dcp_index.read_metadata(path)
+                if self.is_writer:
+                    dcp_index.read_metadata(path)
                 state = dcp.load_trainer_state(path)
             except (dcp_index.UnsafeCheckpoint, pickle.UnpicklingError) as error:
                 problem = str(error)
         return self._agreed(problem), state
+
+    @staticmethod
+    def rank_state(state: dict, rank: int) -> dict | None:
+        """What rank `rank` saved of its own in the checkpoint `state` (its RNG and data position): its file in a
+        step directory, its entries in a single file; None for a rank the checkpoint's run did not have."""
+        if "sharded" in state and "rng" not in state:  # step directories from before rank files kept lists
+            return dcp.load_rank_state(Path(state["sharded"]), rank)
+        if rank >= len(state.get("rng", [])):
+            return None
+        return {"rng": state["rng"][rank], "data": (state.get("data") or [None] * (rank + 1))[rank]}
 
     def read_tensors(self, target: dict, path: Path) -> None:
         """Read a step directory's tensors into `target` (collective; resharded by DCP)."""
