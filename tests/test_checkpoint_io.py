@@ -160,3 +160,24 @@ def test_an_index_placing_shards_outside_its_directory_is_refused(tmp_path, esca
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(dcp_index.UnsafeCheckpoint, match="places shards outside its directory"):
         dcp_index.read_metadata(step)
+
+
+def test_async_staging_keeps_a_shard_in_host_memory_whatever_the_mesh_device():
+    """A staged DTensor holds the stager's host buffer itself. On a GPU mesh, DTensor.from_local moved it back onto
+    the GPU: a second device copy of the state per save. The mesh here says cuda, as on a GPU machine (this CPU
+    torch cannot move anything there: a move fails)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+        mesh._device_type = "cuda"
+        stager = Stager()
+        staged = stager.stage({"model": {"w": weight}})["model"]["w"]
+        assert isinstance(staged, DTensor) and staged.placements == weight.placements and staged.shape == weight.shape
+        assert staged._local_tensor is stager.buffers["/model/w"] and staged._local_tensor.device.type == "cpu"
+        assert torch.equal(staged._local_tensor, torch.arange(8.0).reshape(4, 2))
+    finally:
+        dist.destroy_process_group()

@@ -30,8 +30,9 @@ class Stager:
         if isinstance(tree, DTensor):
             local = tree.to_local().detach()
             copy = self._buffer(key, local).copy_(local, non_blocking=True)
-            return DTensor.from_local(copy, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape,
-                                      stride=tree.stride())
+            # The host buffer itself, under the shard's own layout (as torch's _create_cpu_state_dict does):
+            # DTensor.from_local would move it to the mesh's device, a second GPU copy of the state per save.
+            return DTensor(copy, tree._spec, requires_grad=False)
         if isinstance(tree, torch.Tensor):
             return self._buffer(key, tree).copy_(tree.detach(), non_blocking=True)
         return tree
