@@ -107,7 +107,9 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
     _at_least(problems, "trainer.threads", t.threads, 0, "0 picks cores / local processes")
     _at_least(problems, "trainer.timeout_s", t.timeout_s, 1)
     _at_least(problems, "trainer.hang_timeout_s", t.hang_timeout_s, 0, "0 disables hang detection")
-    _at_least(problems, "trainer.stop_check_every", t.stop_check_every, 1)
+    if t.stop_check_s <= 0:
+        problems.append(f"trainer.stop_check_s={t.stop_check_s} must be above 0 (seconds between the ranks' checks "
+                        f"for a stop signal; 5 costs nothing measurable).")
     _at_least(problems, "trainer.bucket_cap_mb", t.bucket_cap_mb, 1)
     _choice(problems, "trainer.grad_compression", t.grad_compression, GRAD_COMPRESSIONS)
     _choice(problems, "trainer.memory_format", t.memory_format, MEMORY_FORMATS)

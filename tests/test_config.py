@@ -174,11 +174,11 @@ def test_all_problems_are_reported_at_once(tmp_path):
 
 
 def test_performance_options_are_checked(tmp_path):
-    message = problems("trainer.grad_compression=int8", "trainer.memory_format=nhwc", "trainer.stop_check_every=0",
+    message = problems("trainer.grad_compression=int8", "trainer.memory_format=nhwc", "trainer.stop_check_s=0",
                        "trainer.bucket_cap_mb=0", run_dir=tmp_path)
     assert "trainer.grad_compression='int8' is not one of: none, bf16, fp16" in message
     assert "trainer.memory_format='nhwc' is not one of: auto, channels_last, contiguous" in message
-    assert "trainer.stop_check_every=0 must be at least 1" in message
+    assert "trainer.stop_check_s=0.0 must be above 0" in message
     assert "trainer.bucket_cap_mb=0 must be at least 1" in message
 
 

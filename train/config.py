@@ -106,7 +106,7 @@ class TrainerConfig:
     timeout_s: int = 300  # collective timeout: a collective waiting longer than this fails the rank (not 30 min)
     hang_timeout_s: int = 300  # a rank that finishes no step (or eval batch) for this long reports its stacks and exits; 0 disables
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])  # save at the next step, then stop
-    stop_check_every: int = 10  # steps between the ranks' checks for a stop signal (a tiny all-reduce); a stop lands within this + 1 steps
+    stop_check_s: float = 5.0  # seconds between the ranks' checks for a stop signal (a tiny all-reduce): a stop is agreed within about this + 2 steps
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | off
     profile: list[int] = field(default_factory=list)  # [FIRST, LAST]: torch.profiler traces of these optimizer steps on every rank, in RUN_DIR/profile
 

@@ -353,7 +353,7 @@ def fit(run: Run) -> Outcome:
         metrics.log("checkpoint", progress.step, {"load_s": progress.load_s})
         metrics.note("resume", f"resumed at step {progress.step} (checkpoint loaded in {progress.load_s:.1f} s)"
                      + (f", after {restarts} restarts of the process group" if restarts else ""), progress.step)
-    stop = StopRequest(cfg.trainer.stop_signals, cfg.trainer.stop_check_every, run.control)
+    stop = StopRequest(cfg.trainer.stop_signals, cfg.trainer.stop_check_s, run.control)
     batches = run.batches
     # Not under compile: recording events inside the compiled forward would split its graph.
     forward = None if cfg.trainer.compile else ForwardClock(run.strategy.model, run.device)

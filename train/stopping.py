@@ -1,10 +1,19 @@
 """Graceful stop: a signal only sets a flag; the ranks agree at a step boundary, then save together and exit.
 
-Saving inside a signal handler, or on one rank only, is how checkpoints get torn and collectives deadlock. Here
-every `every` steps the ranks start an asynchronous all_reduce (MAX) of "did I get a signal?" on the CPU group
-(train.dist.control_group) and read it one step later: no device synchronisation and no stall, and every rank reaches the same decision
-at the same step. The handler only sets the flag: it may run in the middle of any write, print included. Not every step: on small models a collective per step costs ~10% of the throughput (measured
-with benchmarks/overhead.py). A second signal ends the process at once (Ctrl-C twice).
+Saving inside a signal handler, or on one rank only, is how checkpoints get torn and collectives deadlock. Here the
+ranks check about every `check_s` seconds with an all_reduce of "did I get a signal?" on the CPU group
+(train.dist.control_group), and every rank reaches the same decision at the same step.
+
+The checks are counted in seconds, not steps: SLURM's warning comes ~120 s before the kill, and a stop counted
+in steps lands 10 x 30 s after the signal on a large model. Each check also agrees on the step of the next one:
+every rank proposes the steps it runs in `check_s` by its own clock, the fewest win, so the ranks stay in step
+without a clock of their own in common. Where a step is shorter than `check_s`, the check is issued without
+waiting and read one step later (no stall; a collective per step cost ~10% of the throughput of a small model,
+benchmarks/overhead.py); where steps are longer, the check is read at once: the stop is agreed at the end of the
+step the signal came in. Either way a stop is agreed within about `check_s` plus two steps of the signal.
+
+The handler only sets the flag: it may run in the middle of any write, print included. A second signal ends the
+process at once (Ctrl-C twice).
 """
 
 from __future__ import annotations
@@ -12,19 +21,24 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 
 class StopRequest:
-    def __init__(self, signal_names: list[str], every: int, group: dist.ProcessGroup):
-        self.every = every
+    def __init__(self, signal_names: list[str], check_s: float, group: dist.ProcessGroup, clock=time.monotonic):
+        self.check_s = check_s
         self.received: int | None = None
         self.announced = False
         self.group = group  # the CPU control channel (train.dist.control_group), whatever the training backend
-        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.clock = clock
+        self.flag = torch.zeros(2, dtype=torch.int64)  # [a signal, -(steps to the next check)]: one MAX all-reduce
         self.pending = None
+        self.next_check: int | None = None  # the step of the next check (the same on every rank); None: the first
+        self.interval = 1  # steps between checks, as last agreed
+        self.last: tuple[int, float] | None = None  # (step, time) of this rank's last check
         for name in signal_names:
             signal.signal(signal.Signals[name], self._on_signal)
 
@@ -41,17 +55,37 @@ class StopRequest:
             print(f"[rank {dist.get_rank()}] {signal.Signals(self.received).name}: saving a checkpoint at the next "
                   f"step boundary, then stopping (send it again to stop at once)", file=sys.stderr, flush=True)
 
+    def _proposal(self, step: int, now: float) -> int:
+        """The steps this rank runs in check_s, by its clock since its last check (1 at the first check)."""
+        if self.last is None or step <= self.last[0]:
+            return 1
+        per_step = (now - self.last[1]) / (step - self.last[0])
+        return max(1, int(self.check_s / per_step)) if per_step > 0 else 1 << 20
+
+    def _read(self) -> bool:
+        self.pending.wait()
+        self.pending = None
+        self.interval = int(-self.flag[1].item())
+        return bool(self.flag[0].item())
+
     def agreed(self, step: int) -> bool:
-        """Call after every step on every rank. True at the step after a check where any rank had had a signal."""
+        """Call after every step on every rank. True at the step where the ranks agree that one had a signal."""
         self._announce()
         stop = False
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-            stop = bool(self.flag.item())
-        if step % self.every == 0:
-            self.flag.fill_(0 if self.received is None else 1)
-            self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if self.pending is not None:  # issued at the last check, one step ago
+            stop = self._read()
+            self.next_check += self.interval - 1  # counted from the step it was issued at
+        if stop or (self.next_check is not None and step < self.next_check):
+            return stop
+        now = self.clock()
+        self.flag[0] = 0 if self.received is None else 1
+        self.flag[1] = -self._proposal(step, now)
+        self.last = (step, now)
+        self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self.next_check = step + 1
+        if self.interval == 1:  # steps longer than check_s: no step to hide the wait behind, and none to lose
+            stop = self._read()
+            self.next_check = step + self.interval
         return stop
 
     @property
