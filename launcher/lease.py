@@ -8,7 +8,9 @@ machine), the expiry: a lease is stale only when its holder is gone and its expi
 taken over, with a message.
 
 The check and the write happen under an flock of RUN_DIR/.launcher.lock, so two launchers started at the same
-moment cannot both find the directory free.
+moment cannot both find the directory free. Every write of the lease after a read of it (a renewal, a takeover)
+happens under a short flock of RUN_DIR/.lease.lock: a holder presumed dead (suspended, cut off) that wakes up finds
+the new holder's lease at its next renewal, never writes over it, and stops its workers before they write again.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from train.files import replace_text
 
 LEASE_FILE = "lease.json"
 LOCK_FILE = ".launcher.lock"
+LEASE_LOCK = ".lease.lock"  # held for a read-check-write of lease.json only
+LOST_EXIT_CODE = 75  # a holder whose lease was taken over: EX_TEMPFAIL, not a crash
 DURATION_S = 180.0  # a lease not renewed for this long may be taken over once its holder is gone
 RENEW_EVERY_S = 30.0
 
@@ -67,11 +71,41 @@ def write_lease(run_dir: Path, lease: Lease) -> None:
     replace_text(path, json.dumps(asdict(lease), indent=2) + "\n")
 
 
+@contextlib.contextmanager
+def lease_lock(run_dir: Path):
+    """An exclusive flock of RUN_DIR/.lease.lock for one read-check-write of the lease (waits for the other
+    holder's, which lasts a few file operations; released by the OS however the process ends)."""
+    with open(run_dir / LEASE_LOCK, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as error:
+            if error.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+                raise  # a file system without locks: the lease alone decides (flock() warns about it)
+        yield
+
+
+def take_lease(run_dir: Path, lease: Lease) -> None:
+    """Write `lease` as the directory's (a launch that found it free, or stale, under the launcher's lock)."""
+    with lease_lock(run_dir):
+        write_lease(run_dir, lease)
+
+
 def release(run_dir: Path, key: str) -> None:
     """Remove the lease if it is still `key`'s (a clean end)."""
-    lease = read_lease(run_dir)
-    if lease is not None and lease.key == key:
-        (run_dir / LEASE_FILE).unlink(missing_ok=True)
+    with lease_lock(run_dir):
+        lease = read_lease(run_dir)
+        if lease is not None and lease.key == key:
+            (run_dir / LEASE_FILE).unlink(missing_ok=True)
+
+
+def stop_holder(lease: Lease, current: Lease) -> None:
+    """What a holder does when it finds its lease taken over: its workers must not write again. The process ends
+    at once, without a checkpoint (a save would be a write); local workers die with their launcher (they are
+    started with a parent-death signal), a SLURM task's end ends its job step."""
+    print(f"error: {lease.holder} lost the run directory to {current.holder}, which took it over while this one "
+          f"did not renew its lease (suspended or cut off for over {DURATION_S:.0f} s); stopping at once, without a "
+          f"checkpoint, so that the directory has one writer.", file=sys.stderr, flush=True)
+    os._exit(LOST_EXIT_CODE)
 
 
 @contextlib.contextmanager
@@ -119,25 +153,37 @@ def check_free(run_dir: Path, key: str, is_alive) -> str | None:
 
 
 class Renewer:
-    """Renews a lease in the background while its holder runs; `stop(release=True)` removes it (a clean end)."""
+    """Renews a lease in the background while its holder runs; `stop(release=True)` removes it (a clean end).
+    Entering takes the lease (`take_lease`); a renewal that finds another holder's lease calls `on_lost(lease,
+    current)` instead of writing (default: `stop_holder`)."""
 
-    def __init__(self, run_dir: Path, lease: Lease):
-        self.run_dir, self.lease = run_dir, lease
+    def __init__(self, run_dir: Path, lease: Lease, on_lost=stop_holder, every_s: float = RENEW_EVERY_S):
+        self.run_dir, self.lease, self.on_lost, self.every_s = run_dir, lease, on_lost, every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-renewer", daemon=True)
 
     def __enter__(self) -> Renewer:
-        write_lease(self.run_dir, self.lease.renewed())
+        take_lease(self.run_dir, self.lease.renewed())
         self._thread.start()
         return self
 
-    def _run(self) -> None:
-        while not self._stop.wait(RENEW_EVERY_S):
+    def renew(self) -> bool:
+        """One renewal, read and written under the lease lock; False if the lease is another holder's now."""
+        with lease_lock(self.run_dir):
             current = read_lease(self.run_dir)
             if current is not None and current.key != self.lease.key:
-                return  # taken over (we were presumed dead): never write over the new holder's lease
-            with contextlib.suppress(OSError):  # a file system hiccup: the next renewal comes before the expiry
-                write_lease(self.run_dir, self.lease.renewed())
+                lost = current
+            else:
+                with contextlib.suppress(OSError):  # a file system hiccup: the next renewal comes before the expiry
+                    write_lease(self.run_dir, self.lease.renewed())
+                return True
+        self.on_lost(self.lease, lost)  # taken over (we were presumed dead): never write over the new holder's lease
+        return False
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            if not self.renew():
+                return
 
     def stop(self, release_lease: bool) -> None:
         self._stop.set()

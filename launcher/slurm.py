@@ -31,9 +31,10 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from launcher.backend import Backend, check_run_dir_free
-from launcher.lease import Lease, Renewer, flock, read_lease, write_lease
+from launcher.lease import Lease, Renewer, flock, read_lease, take_lease
 from launcher.local import procs_per_node
 from launcher.schema import Config
+from train.files import replace_text
 from train.observe.status import read_status, write_status
 
 JOBS_FILE = "jobs.jsonl"
@@ -129,8 +130,8 @@ class SlurmTask:
         # Rank 0 keeps the job's lease fresh while it runs (a node that cannot ask SLURM relies on the expiry).
         renewer = Renewer(run_dir, mine).__enter__() if os.environ["RANK"] == "0" else None
         outcome = main(self.snapshot)
-        requeue = outcome.status == "stopped" and (outcome.signal == self.requeue_signal or
-                                                   (outcome.signal == "SIGTERM" and being_preempted(job_id)))
+        requeue = outcome.status == "stopped" and (outcome.signal == self.requeue_signal or (
+            outcome.signal == "SIGTERM" and preemption_decided(job_id, slurm_folder(run_dir), os.environ["RANK"] == "0")))
         if requeue and self._requeues_left(job_id):
             if renewer:
                 renewer.stop(release_lease=False)  # the requeued job still owns the directory
@@ -161,12 +162,34 @@ class SlurmTask:
             time.sleep(1)
 
 
+def preemption_decided(job_id: str, folder: Path, asks: bool, wait_s: float = 120.0) -> bool:
+    """Whether this attempt, stopped by SIGTERM, ends in a requeue (`being_preempted`), asked of SLURM once per job:
+    the task that `asks` (rank 0) writes the answer into `folder`, the others read it there. Every task asking
+    slurmctld at once is a storm of 512 RPCs; a task that never sees the answer waits to be stopped, the side that
+    is safe either way."""
+    answer = folder / f".preempted.{job_id}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+    if asks:
+        try:
+            preempted = being_preempted(job_id)
+        except subprocess.TimeoutExpired:
+            preempted = True  # slurmctld does not answer: wait to be stopped rather than record a result
+        replace_text(answer, "1" if preempted else "0")
+        return preempted
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            return answer.read_text() == "1"
+        time.sleep(1)
+    return True
+
+
 def being_preempted(job_id: str) -> bool:
     """Whether SLURM has chosen this job for preemption (`scontrol show job` gives it a PreemptTime), or this
-    attempt is already requeued: each rank asks on its own, and once rank 0 has requeued the job SLURM clears the
-    PreemptTime; a rank that asked after that and returned would let submitit write this attempt's result while
-    SLURM kills it (a half-written result file failed the requeued attempt at its end)."""
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    attempt is already requeued: asked before rank 0 requeues the job (SLURM clears the PreemptTime then); a task
+    that returned would let submitit write this attempt's result while SLURM kills it (a half-written result file
+    failed the requeued attempt at its end)."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                           timeout=30).stdout
     fields = dict(item.partition("=")[::2] for item in shown.split())
     restarts = fields.get("Restarts", "0")
     requeued = restarts.isdigit() and int(restarts) > int(os.environ.get("SLURM_RESTART_COUNT", "0"))
@@ -346,7 +369,7 @@ class Slurm(Backend):
             print(f"error: sbatch refused the job: {error}", file=sys.stderr)
             write_status(run_dir, "failed", error=f"sbatch refused the job: {error}")
             return 2
-        write_lease(run_dir, job_lease(job.job_id).renewed())
+        take_lease(run_dir, job_lease(job.job_id).renewed())
         write_status(run_dir, "submitted", job_id=job.job_id)
         print(
             f"submitted SLURM job {job.job_id}\n"

@@ -242,3 +242,45 @@ def test_a_file_system_without_flock_falls_back_to_the_lease_with_a_warning(tmp_
             with flock(tmp_path, fcntl.LOCK_EX, "hydra.run.dir=x"):
                 pass
     assert (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_holder_presumed_dead_never_renews_over_the_new_holder_and_stops(tmp_path):
+    """Its renewal read the lease, checked its key and wrote outside any lock, and returned quietly when the key had
+    changed (its workers kept writing). Now the read-check-write waits for the lease lock a takeover holds, finds
+    the new holder's lease and stops the old holder instead of writing."""
+    import threading
+
+    from launcher.lease import Lease, Renewer, lease_lock, read_lease, write_lease
+
+    old = Lease(backend="local", holder="launcher pid 1 on a", key="old")
+    lost = []
+    renewer = Renewer(tmp_path, old, on_lost=lambda lease, current: lost.append(current.holder), every_s=3600)
+    with renewer:
+        with lease_lock(tmp_path):  # a takeover in progress: it checked the lease and is about to write its own
+            renewal = threading.Thread(target=renewer.renew)
+            renewal.start()
+            renewal.join(timeout=1.0)
+            assert renewal.is_alive(), "the renewal did not wait for the takeover's lock"
+            write_lease(tmp_path, Lease(backend="local", holder="launcher pid 2 on b", key="new").renewed())
+        renewal.join()
+        assert lost == ["launcher pid 2 on b"] and read_lease(tmp_path).key == "new"
+        assert renewer.renew() is False and read_lease(tmp_path).key == "new"
+    assert read_lease(tmp_path).key == "new"  # the old holder's clean end does not remove the new holder's lease
+
+
+def test_whether_a_sigterm_means_preemption_is_asked_of_slurm_once_per_job(tmp_path, monkeypatch):
+    """Every task ran `scontrol show job` (no timeout): 512 RPCs at once at the end of a preempted job. Rank 0 asks
+    and leaves the answer; the other tasks read it."""
+    import launcher.slurm as slurm
+
+    asked = []
+    monkeypatch.setattr(slurm, "being_preempted", lambda job_id: asked.append(job_id) or True)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    others = [slurm.preemption_decided("4711", tmp_path, asks=False, wait_s=0) for _ in range(3)]
+    assert others == [True] * 3 and asked == []  # no answer yet: wait to be stopped, the safe side
+    assert slurm.preemption_decided("4711", tmp_path, asks=True) is True and asked == ["4711"]
+    monkeypatch.setattr(slurm, "being_preempted", lambda job_id: asked.append(job_id) or False)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    assert slurm.preemption_decided("4711", tmp_path, asks=True) is False
+    assert [slurm.preemption_decided("4711", tmp_path, asks=False, wait_s=5) for _ in range(511)] == [False] * 511
+    assert asked == ["4711", "4711"]
