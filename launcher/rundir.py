@@ -28,6 +28,7 @@ NOT_IN_RUN_NAME = (
     "trainer.progress",
     "trainer.peak_tflops",
     "trainer.log_every",
+    "trainer.stop_check_s",
     "trainer.timeout_s",
     "trainer.threads",
 )

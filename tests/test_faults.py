@@ -20,7 +20,8 @@ from conftest import FAST, final_checkpoint, fault_env, logged_steps, read_metri
 from test_ddp_identity import IDENTITY, RESUME
 
 # Every piece of resumable state is in play (AdamW, dropout, augmentation, accumulation, clipping).
-FAULTY = [*RESUME, "trainer.max_steps=32", "checkpoint.every_steps=4", "launcher.max_restarts=2"]
+# A stop is agreed within stop_check_s of the signal: these runs last a second.
+FAULTY = [*RESUME, "trainer.max_steps=32", "checkpoint.every_steps=4", "launcher.max_restarts=2", "trainer.stop_check_s=0.05"]
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +139,7 @@ def test_a_hanging_rank_is_reported_by_rank_and_the_group_restarts(launch, tmp_p
     [incident] = [p for p in (run_dir / "hang").iterdir() if p.is_dir()]
     reports = {r: json.loads((incident / f"rank{r}.json").read_text()) for r in (0, 1)}
     assert reports[1]["step"] == 4 and "faulty_train_step" in reports[1]["where"]
-    assert reports[1]["collectives"] < reports[0]["collectives"]  # rank 0 went on into step 5's all-reduce
+    assert reports[1]["collectives"]["world"] < reports[0]["collectives"]["world"]  # rank 0 went on into step 5's all-reduce
     summary = (incident / "summary.txt").read_text()
     assert "2 of 2 ranks answered" in summary and "behind: rank 1 (" in summary
     assert "stacks of rank 1:" in summary and "faulty_train_step" in summary.split("stacks of rank 1:")[1]
@@ -148,7 +149,7 @@ def test_a_hanging_rank_is_reported_by_rank_and_the_group_restarts(launch, tmp_p
 @pytest.mark.alone
 def test_a_collective_timeout_leaves_a_hang_report_that_names_the_rank_behind(launch, tmp_path):
     """Rank 0's all-reduce times out (trainer.timeout_s=3) while rank 1 is stuck before it; rank 1, asked through
-    the run directory, answers with where it is (and later reports its own hang: trainer.hang_timeout_s=6)."""
+    the rendezvous store, answers with where it is (and later reports its own hang: trainer.hang_timeout_s=6)."""
     run_dir = tmp_path / "run"
     proc = launch(*FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16", "trainer.hang_timeout_s=6",
                   "trainer.timeout_s=3", f"hydra.run.dir={run_dir}", env=fault_env("hang", rank=1, step=3), timeout=180)

@@ -1,5 +1,7 @@
-"""What a rank's own work at save and resume costs as the world grows: it must not grow with the number of ranks
-(at 512 ranks, O(world) per rank is O(world^2) in all: ~800k metadata operations on a shared file system)."""
+"""Defects that only show at scale, each shown where one machine can show it: what a rank's own work at save and
+resume costs as the world grows (at 512 ranks, O(world) per rank is O(world^2) in all: ~800k metadata operations on
+a shared file system), the timeouts and hang evidence of the groups a device mesh splits off, and a hang request
+that costs the file system nothing while nothing hangs."""
 
 from __future__ import annotations
 
@@ -118,3 +120,88 @@ def test_a_tensor_parallel_group_resumes_with_one_random_stream_after_a_change_o
     group_first = rank - rank % 2
     assert torch.equal(torch.get_rng_state(), streams[group_first]["torch"])
     assert random.getstate()[1] == tuple(streams[group_first]["python"][1])
+
+
+def _mesh_worker(rank: int, world: int, port: int, out) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from train.dist import CONTROL_TIMEOUT, every_group, exit_without_finalizing, patient, side_store, timeout_of
+    from train.layout import Layout
+    from train.observe.hang import HangReports, collectives_done
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=7))
+    mesh = Layout(pp=1, dp_replicate=1, dp_shard=2, tp=2).mesh("cpu")
+    tp, shard = mesh.get_group("tp"), mesh.get_group("dp_shard")
+    result = {"timeouts": [timeout_of(g).total_seconds() for g in (tp, shard)]}
+    with patient(*every_group()):
+        result["patient"] = [timeout_of(g) == CONTROL_TIMEOUT for g in every_group()]
+    result["after"] = [timeout_of(g).total_seconds() for g in every_group()]
+    if rank != 3:  # rank 3 is behind in its tp group by one collective: rank 2 waits for it there
+        pending = dist.all_reduce(torch.ones(1), group=tp, async_op=True)
+        if rank < 2:
+            pending.wait()
+    result["done"] = collectives_done()
+    # The hang request through the store: no file-system operation per tick while nothing is asked.
+    reports = HangReports(out["run_dir"], rank, world, store=side_store("train/hang/"))
+    result["store"] = reports.store is not None
+    dist.barrier()
+    if rank == 0:
+        out["incident"] = reports.open_incident()
+    dist.barrier()
+    result["seen"] = reports._fresh_request()
+    out[rank] = result
+    dist.barrier()
+    exit_without_finalizing()  # rank 2's collective never completes: no orderly teardown
+
+
+def test_mesh_groups_keep_the_timeout_set_the_patience_covers_them_and_a_hang_in_one_is_located(tmp_path):
+    """Groups split off for a device mesh had the backend's default timeout (30 minutes under gloo) instead of
+    trainer.timeout_s; compile's patience lifted the world's alone; the hang report counted the world's
+    collectives, so a rank behind in a tp group was not named."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from train.observe.hang import summary
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict(run_dir=str(tmp_path))
+        mp.spawn(_mesh_worker, args=(4, port, out), nprocs=4, join=True)
+        results = {r: out[r] for r in range(4)}
+        incident = out["incident"]
+    for result in results.values():
+        assert result["timeouts"] == [7.0, 7.0] and all(result["patient"]) and set(result["after"]) == {7.0}
+        assert result["store"] and result["seen"] == incident
+    reports = [{"rank": r, "host": "h", "pid": r, "where": "w", "stacks": "", "collectives": results[r]["done"]}
+               for r in range(4)]
+    text = summary(reports, 4)
+    assert "behind: rank 3 (" in text and "collectives done on " in text, text
+    assert not (tmp_path / "hang" / "request").exists()  # posted in the store, not on the file system
+
+
+def test_looking_for_a_hang_request_costs_no_file_system_operation_with_a_store(tmp_path, monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from train.observe.hang import HangReports
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    watching = HangReports(tmp_path, 5, 512, store=dist.PrefixStore("train/hang/", client))
+    ops = MetadataOperations(monkeypatch)
+    for _ in range(20):
+        watching.answer_request({"step": 1})
+    assert ops.count == 0
+    monkeypatch.undo()
+    asking = HangReports(tmp_path, 0, 512, store=dist.PrefixStore("train/hang/", server))
+    incident = asking.open_incident()
+    watching.answer_request({"step": 1})
+    assert json.loads((tmp_path / "hang" / incident / "rank5.json").read_text())["step"] == 1

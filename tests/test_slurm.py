@@ -42,7 +42,7 @@ def cluster():
 
 
 JOB = [*FAST, "launcher=slurm", "trainer.nodes=2", "trainer.procs_per_node=1", "data=synthetic", "model=mlp",
-       "model.hidden=[64]", "model.dropout=0.1", "trainer.epochs=3", "trainer.log_every=2"]
+       "model.hidden=[64]", "model.dropout=0.1", "trainer.epochs=3", "trainer.log_every=2", "trainer.stop_check_s=0.5"]
 
 
 def submitted_job_id(stdout: str) -> str:

@@ -155,24 +155,56 @@ def own_group() -> dist.ProcessGroup:
 
 
 @contextlib.contextmanager
-def patient(group):
-    """Collectives on the gloo `group` may wait up to CONTROL_TIMEOUT inside, rather than trainer.timeout_s: for
-    waits on another rank's I/O. The group's own timeout is back on the way out. None: the training group."""
+def patient(*groups):
+    """Collectives on `groups` may wait up to CONTROL_TIMEOUT inside, rather than trainer.timeout_s: for waits on
+    another rank's I/O, or on ranks still compiling. Each group's own timeout is back on the way out. None: the
+    training group."""
     if not dist.is_initialized():
         yield
         return
-    group = group or dist.group.WORLD
-    before = timeout_of(group)
-    if before >= CONTROL_TIMEOUT:
-        yield
-        return
-    # torch's setter (torchtitan uses it to shorten the timeout after the first step); applies to collectives
-    # issued from now on.
-    dist.distributed_c10d._set_pg_timeout(CONTROL_TIMEOUT, group)
+    lifted = []
+    for group in groups or (None,):
+        group = group or dist.group.WORLD
+        before = timeout_of(group)
+        if before < CONTROL_TIMEOUT and all(group is not g for g, _ in lifted):
+            # torch's setter (torchtitan uses it to shorten the timeout after the first step); applies to
+            # collectives issued from now on.
+            dist.distributed_c10d._set_pg_timeout(CONTROL_TIMEOUT, group)
+            lifted.append((group, before))
     try:
         yield
     finally:
-        dist.distributed_c10d._set_pg_timeout(before, group)
+        for group, before in lifted:
+            dist.distributed_c10d._set_pg_timeout(before, group)
+
+
+def every_group() -> list:
+    """Every process group this rank is in: the world and those made from it (a device mesh's dimensions)."""
+    return list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
+
+
+def same_timeout(groups) -> None:
+    """Give `groups` the default group's collective timeout (trainer.timeout_s). Groups that torch splits off the
+    world (a device mesh's dimensions: FSDP's shards, HSDP's copies, tp, pp) get the backend's default otherwise
+    (10 or 30 minutes), so a hang inside one outlasted the limit the user set."""
+    timeout = timeout_of(dist.group.WORLD)
+    for group in groups:
+        if group is not None and timeout_of(group) != timeout:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def side_store(prefix: str, timeout_s: float = 5.0):
+    """A client of this attempt's rendezvous store (MASTER_ADDR:MASTER_PORT, served by rank 0 from a thread of its
+    own) with a short timeout, for small messages between ranks that must neither wait in a collective nor touch
+    the shared file system (a hang request); None in a lone process or if it does not answer."""
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - the file system serves instead
+        return None
+    return dist.PrefixStore(prefix, store)
 
 
 def timeout_of(group: dist.ProcessGroup) -> timedelta:

@@ -58,8 +58,12 @@ class Layout:
         Each dimension is a process group (under gloo, a thread per process): none is made that nothing uses."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        from train.dist import same_timeout
+
         names = tuple(d for d in DIMS if getattr(self, d) > 1 or d in always) or ("dp_replicate",)
-        return init_device_mesh(device_type, tuple(getattr(self, d) for d in names), mesh_dim_names=names)
+        mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in names), mesh_dim_names=names)
+        same_timeout(mesh.get_group(name) for name in names)
+        return mesh
 
     @property
     def composite(self) -> bool:

@@ -82,7 +82,7 @@ def main(config_path: str | Path) -> Outcome:
     if backend == "nccl":  # before the process group exists: NCCL reads them once
         os.environ.update(flight_recorder_env(config_path.parent))
     distributed.init_process_group(env, backend, device, cfg.trainer.timeout_s)
-    reports = HangReports(config_path.parent, env.rank, env.world_size)
+    reports = HangReports(config_path.parent, env.rank, env.world_size, store=distributed.side_store("train/hang/"))
     watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s, cfg.checkpoint.io_timeout_s, reports)  # loading too
     run = None
     try:
@@ -311,7 +311,7 @@ def compiling(run: Run, what: str):
     """A first pass under trainer.compile compiles: minutes, and ranks finish minutes apart. No hang detection
     inside, and the training group's collectives wait for the slowest rank beyond trainer.timeout_s (the first
     compiled step's all-reduces, FSDP's all-gathers in the first evaluation, meet ranks still compiling)."""
-    with run.watchdog.paused(what), distributed.patient(None):
+    with run.watchdog.paused(what), distributed.patient(*distributed.every_group()):
         yield
 
 

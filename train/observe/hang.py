@@ -2,14 +2,19 @@
 RUN_DIR/hang/<incident>/rank<R>.json, and the rank that noticed first writes summary.txt naming the ranks that are
 behind and where they are.
 
-How the ranks learn of it without a collective (a hung group has none to spare): the first rank to notice creates
-RUN_DIR/hang/request (atomically; the others join its incident), and every rank's watchdog looks for a request
-newer than its own start at each tick and answers with its report. The noticing rank waits a few ticks for the
-answers before it summarises and exits. A rank that cannot answer (wedged holding the GIL, or dead) is named too.
+How the ranks learn of it without a collective (a hung group has none to spare): the first rank to notice posts a
+request (atomically; the others join its incident), and every rank's watchdog looks for one at each tick and
+answers with its report. The request is a key of the attempt's rendezvous store (rank 0 serves it from a thread of
+its own, which answers while rank 0's Python is stuck), so that 512 ranks looking every few seconds cost the shared
+file system nothing; where no store answers (no launcher, rank 0 dead) it is RUN_DIR/hang/request, newer than the
+rank's start. The noticing rank waits a few ticks for the answers before it summarises and exits. A rank that
+cannot answer (wedged holding the GIL, or dead) is named too.
 
-Who is behind: every collective on the default process group advances its sequence number on every rank in the
-same order (c10d keeps it, gloo and NCCL alike), so the ranks with the fewest are the ones the others wait for.
-On NCCL, the flight recorder (flight_recorder_env) also dumps each rank's last collectives into the same folder.
+Who is behind: every collective advances its group's sequence number on every member in the same order (c10d keeps
+it, gloo and NCCL alike), so within a group the ranks with the fewest are the ones the others wait for. Each rank
+reports the count of every group it is in (the world, FSDP's shards, a tp group, the pipeline's neighbours): a hang
+inside a sub-group shows there. On NCCL, the flight recorder (flight_recorder_env) also dumps each rank's last
+collectives into the same folder.
 """
 
 from __future__ import annotations
@@ -32,14 +37,28 @@ SUMMARY = "summary.txt"
 STDLIB = tuple(os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib"))
 
 
-def collectives_done() -> int:
-    """Collectives this rank has issued on the default group (-1 if there is none)."""
+def collectives_done() -> dict[str, int]:
+    """Collectives this rank has issued on each process group it is in, by the group's name ("world" for the
+    default one); {} without a process group."""
     try:
         import torch.distributed as dist
 
-        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
-    except Exception:  # no process group (yet), or one that keeps no count
-        return -1
+        c10d = dist.distributed_c10d
+        default = c10d._get_default_group()
+        groups = list(c10d._world.pg_map)
+    except Exception:  # no process group (yet)
+        return {}
+    done = {}
+    for group in groups:
+        try:
+            count = int(group._get_sequence_number_for_group())
+        except Exception:  # a group that keeps no count
+            continue
+        desc = getattr(group, "group_desc", "") or ""
+        label = "world" if group is default else (f"{desc} {group.group_name}" if desc and desc != "undefined"
+                                                   else f"group {group.group_name}")
+        done[label] = count
+    return done
 
 
 def thread_stacks() -> tuple[str, str]:
@@ -64,13 +83,31 @@ def innermost_own_frame(stack: traceback.StackSummary) -> str:
 
 
 class HangReports:
-    def __init__(self, run_dir: Path, rank: int, world_size: int):
+    """`store`: a store client shared by the ranks of this attempt, with a short timeout (train.dist.side_store),
+    where the request is posted; None (or a store that stops answering): the file RUN_DIR/hang/request."""
+
+    def __init__(self, run_dir: Path, rank: int, world_size: int, store=None):
         self.root = Path(run_dir) / HANG_DIR
         self.rank, self.world_size = rank, world_size
+        self.store = store
         self.started = time.time()
         self.answered: str | None = None  # the incident this rank has written its report for
 
+    def _in_store(self, operation):
+        """`operation(store)`, or None once the store fails (from then on the file serves)."""
+        if self.store is None:
+            return None
+        try:
+            return operation(self.store)
+        except Exception:  # rank 0, which serves it, is gone: the file system still works
+            self.store = None
+            return None
+
     def _fresh_request(self) -> str | None:
+        if self.store is not None:
+            posted = self._in_store(lambda s: s.get(REQUEST) if s.check([REQUEST]) else b"")
+            if posted is not None:
+                return posted.decode().strip() or None
         try:
             path = self.root / REQUEST
             if path.stat().st_mtime >= self.started - 1:  # an earlier attempt's request is not ours
@@ -86,6 +123,9 @@ class HangReports:
         if incident:
             return incident
         incident = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-rank{self.rank}"
+        posted = self._in_store(lambda s: s.compare_set(REQUEST, "", incident))
+        if posted:  # the first to post wins; the others join its incident
+            return posted.decode().strip()
         tmp, request = self.root / f".request.{self.rank}.{os.getpid()}", self.root / REQUEST
         tmp.write_text(incident + "\n")
         if request.exists() and self._fresh_request() is None:  # an earlier attempt's, left by a dead opener
@@ -133,6 +173,7 @@ class HangReports:
         path = self.root / incident / SUMMARY
         replace_text(path, summary(reports, self.world_size, incident))
         (self.root / REQUEST).unlink(missing_ok=True)  # answered: a later attempt's hang opens its own
+        self._in_store(lambda s: s.delete_key(REQUEST))
         return path
 
     def wait_for_summary(self, incident: str, wait_s: float) -> None:
@@ -146,29 +187,43 @@ def summary(reports: list[dict], world_size: int, incident: str = "") -> str:
     """Which ranks are behind (fewest collectives done) and where each rank is; their stacks after."""
     silent = sorted(set(range(world_size)) - {r["rank"] for r in reports})
     lines = [f"hang report {incident}: {len(reports)} of {world_size} ranks answered"]
-    counted = [r for r in reports if r["collectives"] >= 0]
-    fewest = min((r["collectives"] for r in counted), default=-1)
-    behind = [r for r in counted if r["collectives"] == fewest] if counted and \
-        any(r["collectives"] > fewest for r in counted) else []
-    if behind:
-        most = max(r["collectives"] for r in counted)
-        lines.append(f"behind: rank{'s' if len(behind) > 1 else ''} {', '.join(str(r['rank']) for r in behind)} "
-                     f"({fewest} collectives done; the others up to {most}: they wait in a collective for "
-                     f"{'these' if len(behind) > 1 else 'this one'})")
-    elif counted:
-        lines.append(f"no rank is behind in collectives (all at {fewest}): stuck in the same collective, or outside "
-                     f"collectives (data loading, I/O)")
+    counts = [(r, _by_group(r["collectives"])) for r in reports]
+    groups = sorted({g for _, done in counts for g in done}, key=lambda g: (g != "world", g))
+    behind: list[dict] = []
+    level = []
+    for group in groups:
+        members = [(r, done[group]) for r, done in counts if group in done]
+        fewest, most = min(n for _, n in members), max(n for _, n in members)
+        if fewest == most:
+            level.append(f"{group} at {fewest}" if group != "world" else str(fewest))
+            continue
+        late = [r for r, n in members if n == fewest]
+        behind += [r for r in late if r not in behind]
+        where = "" if group == "world" else f" on {group}"
+        lines.append(f"behind: rank{'s' if len(late) > 1 else ''} {', '.join(str(r['rank']) for r in late)} "
+                     f"({fewest} collectives done{where}; the others up to {most}: they wait in a collective for "
+                     f"{'these' if len(late) > 1 else 'this one'})")
+    if groups and not behind:
+        lines.append(f"no rank is behind in collectives (all at {', '.join(level)}): stuck in the same collective, "
+                     f"or outside collectives (data loading, I/O)")
     if silent:
         lines.append(f"no report from rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}: stuck "
                      f"holding the interpreter (inside native code), or dead; see their logs")
-    for r in reports:
+    for r, done in counts:
         mark = " <- behind" if r in behind else ""
         lines.append(f"  rank {r['rank']} on {r['host']} (pid {r['pid']}): after step {r.get('step', '?')}, "
-                     f"{r.get('activity', '?')}, idle {r.get('idle_s', 0):.0f} s, {r['collectives']} collectives, "
-                     f"at {r['where']}{mark}")
+                     f"{r.get('activity', '?')}, idle {r.get('idle_s', 0):.0f} s, "
+                     f"{', '.join(f'{n} on {g}' for g, n in done.items()) or 'no'} collectives, at {r['where']}{mark}")
     for r in behind or reports[:1]:
         lines.append(f"\nstacks of rank {r['rank']}:\n{r['stacks']}")
     return "\n".join(lines) + "\n"
+
+
+def _by_group(collectives) -> dict[str, int]:
+    """A report's collective counts by group (reports of an earlier version counted the world's alone)."""
+    if isinstance(collectives, dict):
+        return collectives
+    return {"world": collectives} if collectives >= 0 else {}
 
 
 class NullHangReports:
@@ -183,7 +238,9 @@ class NullHangReports:
 
 def flight_recorder_env(run_dir: Path) -> dict[str, str]:
     """NCCL's flight recorder on, dumping each rank's last collectives into RUN_DIR/hang on a timeout (read them
-    with `python -m torch.distributed.flight_recorder.fr_trace RUN_DIR/hang`). A user's own settings win."""
+    with `python -m torch.distributed.flight_recorder.fr_trace RUN_DIR/hang`). A user's own settings win. The
+    folder is made here: NCCL writes into it but does not make it (a dump into a missing folder is lost)."""
+    (Path(run_dir) / HANG_DIR).mkdir(parents=True, exist_ok=True)
     wanted = {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
