@@ -120,6 +120,11 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
     if t.profile and not (len(t.profile) == 2 and 1 <= t.profile[0] <= t.profile[1]):
         problems.append(f"trainer.profile={list(t.profile)} must be [FIRST,LAST] optimizer steps with 1 <= FIRST <= "
                         f"LAST, e.g. trainer.profile=[10,12] (a few steps after the first, which warm up).")
+    outside = [r for r in t.profile_ranks if not -world_size(cfg) <= r < world_size(cfg)]
+    if outside:
+        problems.append(f"trainer.profile_ranks={list(t.profile_ranks)}: {outside} not a rank of the {world_size(cfg)} "
+                        f"processes; name ranks from 0 to {world_size(cfg) - 1} (-1: the last), or [] for rank 0 "
+                        f"and the last.")
     if o.lr <= 0:
         problems.append(f"optim.lr={o.lr} must be positive.")
     _at_least(problems, "optim.reference_batch_size", o.reference_batch_size, 1)

@@ -180,6 +180,8 @@ def test_performance_options_are_checked(tmp_path):
     assert "trainer.memory_format='nhwc' is not one of: auto, channels_last, contiguous" in message
     assert "trainer.stop_check_s=0.0 must be above 0" in message
     assert "trainer.bucket_cap_mb=0 must be at least 1" in message
+    assert "trainer.profile_ranks=[0, 2]: [2] not a rank of the 2 processes" in problems(
+        "trainer.profile=[3,4]", "trainer.profile_ranks=[0,2]", run_dir=tmp_path)
 
 
 def test_strategy_combinations_are_checked_before_start(tmp_path):

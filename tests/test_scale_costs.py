@@ -205,3 +205,56 @@ def test_looking_for_a_hang_request_costs_no_file_system_operation_with_a_store(
     incident = asking.open_incident()
     watching.answer_request({"step": 1})
     assert json.loads((tmp_path / "hang" / incident / "rank5.json").read_text())["step"] == 1
+
+
+def _memory_record(rank: int, world: int, out) -> None:
+    import types
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from train.dist import DistEnv
+    from train.observe.memory import log_memory
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    logged = []
+    run = types.SimpleNamespace(
+        strategy=types.SimpleNamespace(memory=lambda optimizer: (2**20, 2**21)), optimizer=None,
+        device=torch.device("cpu"), env=DistEnv(rank, 0, world, 8), startup_peak_bytes=2**22,
+        cfg=types.SimpleNamespace(trainer=types.SimpleNamespace(activation_checkpointing=False, strategy="fsdp")))
+    sink = types.SimpleNamespace(log=lambda kind, step, values: logged.append(values),
+                                 note=lambda kind, text, step: logged.append(text), print=logged.append)
+    log_memory(run, sink, sink, 1, 2**20)
+    dist.destroy_process_group()
+    out.put((world, rank, logged))
+
+
+def test_the_memory_record_of_a_large_world_stays_a_few_rows():
+    """5 keys per rank (2,560 at 512 ranks) in the record and a row per rank in every tracker's table; all-gathered
+    onto every rank. Now gathered onto rank 0, which lists rank 0, the last rank and the largest."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    procs = [context.Process(target=_memory_record, args=(rank, world, out)) for world in (64, 512)
+             for rank in (0, world - 1)]
+    for p in procs:
+        p.start()
+    results = {(world, rank): logged for world, rank, logged in (out.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join()
+    assert results[(64, 63)] == [] and results[(512, 511)] == []  # only rank 0 logs
+    (small_values, small_table, _), (large_values, large_table, _) = results[(64, 0)], results[(512, 0)]
+    assert len(small_values) == len(large_values) <= 30 and "rank0_param_mb" in large_values
+    assert len(small_table.splitlines()) == len(large_table.splitlines()) <= 5
+
+
+def test_profiled_steps_are_recorded_on_the_chosen_ranks_only(tmp_path):
+    """Every rank wrote a full trace: 512 of them for one profiled range."""
+    from train.observe.profile import NoProfiler, StepProfiler, build_profiler
+
+    cpu = torch.device("cpu")
+    kinds = {rank: type(build_profiler([10, 12], tmp_path, rank, cpu, [], 512)) for rank in (0, 5, 511)}
+    assert kinds == {0: StepProfiler, 5: NoProfiler, 511: StepProfiler}
+    assert isinstance(build_profiler([10, 12], tmp_path, 5, cpu, [5, -1], 512), StepProfiler)
+    assert isinstance(build_profiler([10, 12], tmp_path, 0, cpu, [5, -1], 512), NoProfiler)

@@ -108,7 +108,8 @@ class TrainerConfig:
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])  # save at the next step, then stop
     stop_check_s: float = 5.0  # seconds between the ranks' checks for a stop signal (a tiny all-reduce): a stop is agreed within about this + 2 steps
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | off
-    profile: list[int] = field(default_factory=list)  # [FIRST, LAST]: torch.profiler traces of these optimizer steps on every rank, in RUN_DIR/profile
+    profile: list[int] = field(default_factory=list)  # [FIRST, LAST]: torch.profiler traces of these optimizer steps, in RUN_DIR/profile
+    profile_ranks: list[int] = field(default_factory=list)  # the ranks that record them (-1: the last); []: rank 0 and the last
 
 
 @dataclass

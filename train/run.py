@@ -358,7 +358,8 @@ def fit(run: Run) -> Outcome:
     # Not under compile: recording events inside the compiled forward would split its graph.
     forward = None if cfg.trainer.compile else ForwardClock(run.strategy.model, run.device)
     meter = Meter(run.device, forward, run.flops_per_token, peak_tflops(run.device, cfg.trainer.peak_tflops))
-    profiler = build_profiler(cfg.trainer.profile, run.run_dir, env.rank, run.device)
+    profiler = build_profiler(cfg.trainer.profile, run.run_dir, env.rank, run.device, cfg.trainer.profile_ranks,
+                              env.world_size)
     result: dict[str, float] = {}
     stopped = False
     micro_batches = None

@@ -1,5 +1,7 @@
 """Profiler traces on demand: `trainer.profile=[FIRST,LAST]` records torch.profiler over those optimizer steps on
-every rank (CPU and CUDA activities, shapes, memory) and writes RUN_DIR/profile/rank<R>.pt.trace.json, which
+the ranks of `trainer.profile_ranks` (rank 0 and the last rank by default: 512 full traces are gigabytes that no
+one opens; name the ranks a hang report or the slowest-rank figures point at) (CPU and CUDA activities, shapes,
+memory) and writes RUN_DIR/profile/rank<R>.pt.trace.json, which
 Perfetto (ui.perfetto.dev) and TensorBoard's profiler plugin open; on CUDA also the allocator's history,
 RUN_DIR/profile/rank<R>_memory.pickle (drag it into pytorch.org/memory_viz). Each step is a range named
 "train step N" in the trace. The metrics records of those steps carry `profiled: 1`, so that their slower steps
@@ -61,7 +63,7 @@ class StepProfiler:
         return self.describe() if step == self.last else None
 
     def describe(self) -> str:
-        return (f"steps {self.first}-{self.last} profiled on every rank: {self.folder}/rank<R>.pt.trace.json "
+        return (f"steps {self.first}-{self.last} profiled: {self.folder}/rank<R>.pt.trace.json "
                 f"(open in ui.perfetto.dev or TensorBoard's profiler plugin)"
                 + (", rank<R>_memory.pickle (pytorch.org/memory_viz)" if self.device.type == "cuda" else ""))
 
@@ -77,5 +79,14 @@ class NoProfiler:
         return None
 
 
-def build_profiler(steps: list[int], run_dir: Path, rank: int, device: torch.device):
-    return StepProfiler(steps, run_dir, rank, device) if steps else NoProfiler()
+def profiled_ranks(ranks: list[int], world_size: int) -> set[int]:
+    """trainer.profile_ranks as ranks (-1: the last one); [] means rank 0 and the last rank."""
+    return {r % world_size for r in (ranks or [0, -1])}
+
+
+def build_profiler(steps: list[int], run_dir: Path, rank: int, device: torch.device, ranks: list[int] = (),
+                   world_size: int = 1):
+    """The profiler of this rank: a real one on a profiled rank, for the steps `steps`; the null one elsewhere."""
+    if not steps or rank not in profiled_ranks(list(ranks), world_size):
+        return NoProfiler()
+    return StepProfiler(steps, run_dir, rank, device)
