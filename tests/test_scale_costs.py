@@ -258,3 +258,61 @@ def test_profiled_steps_are_recorded_on_the_chosen_ranks_only(tmp_path):
     assert kinds == {0: StepProfiler, 5: NoProfiler, 511: StepProfiler}
     assert isinstance(build_profiler([10, 12], tmp_path, 5, cpu, [5, -1], 512), StepProfiler)
     assert isinstance(build_profiler([10, 12], tmp_path, 0, cpu, [5, -1], 512), NoProfiler)
+
+
+def _loss_parallel_eval(rank: int, world: int, port: int, out) -> None:
+    import contextlib
+    import copy
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from train.config import TrainerConfig
+    from train.dist import DistEnv, exit_without_finalizing
+    from train.evaluate import evaluate
+    from train.gpt import GPT
+    from train.parallel import Strategy
+    from train.strategies import build_strategy
+    from train.tasks import LanguageModeling
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = GPT(vocab_size=512, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    tokens = torch.randint(512, (4, 17), generator=torch.Generator().manual_seed(1))
+    batches = [((tokens[:, :-1], tokens[:, 1:]), True)]
+    cpu, env = torch.device("cpu"), DistEnv(rank, rank, world, world)
+    whole = Strategy(copy.deepcopy(model), TrainerConfig(), env, cpu)
+    gathered = []
+    full_tensor = DTensor.full_tensor
+    DTensor.full_tensor = lambda self, **kw: gathered.append(self.numel()) or full_tensor(self, **kw)
+    sharded = build_strategy(model, TrainerConfig(strategy="fsdp", tp=2, loss_parallel=True, procs_per_node=2), env, cpu)
+    result = evaluate(sharded, LanguageModeling(), batches, cpu, contextlib.nullcontext)
+    DTensor.full_tensor = full_tensor
+    with torch.no_grad():
+        logits = whole.model(tokens[:, :-1])
+    reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+    out[rank] = {"loss": result["loss"], "reference": reference, "largest_gather": max(gathered, default=0)}
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_without_finalizing()
+
+
+def test_evaluation_under_loss_parallelism_scores_the_shards_without_gathering_the_logits():
+    """The logits were gathered whole on every tp rank (B x T x V in fp32) to be scored; now the cross-entropy runs
+    on the vocabulary shards, and what is gathered is a few scalars."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_loss_parallel_eval, args=(2, port, out), nprocs=2, join=True)
+        results = dict(out)
+    for result in results.values():
+        assert result["loss"] == pytest.approx(result["reference"], rel=1e-6)
+        assert result["largest_gather"] <= 1, result  # 4 x 16 x 512 logits before

@@ -37,8 +37,9 @@ def evaluate(
         inputs, targets = task.split(batch)
         with autocast():
             output = strategy.eval_forward(inputs, call=model_call(task))
-        if output is not None and counted:
-            for name, value in task.sums(output, targets).items():
+        sums = strategy.score(task, output, targets)  # every rank: under loss parallelism it holds collectives
+        if sums is not None and counted:
+            for name, value in sums.items():
                 totals[name] = totals.get(name, 0) + value.detach().double()
         heartbeat()
     strategy.model.train()

@@ -65,6 +65,11 @@ class Strategy:
         """The model's output for an evaluation batch; None on ranks that do not produce it."""
         return call(self.model, inputs)
 
+    def score(self, task, output, targets) -> dict | None:
+        """The task's sums for one evaluation batch's `output` (eval_forward's), or None where this rank's output
+        is not counted. Called on every rank, counted or not: a strategy may hold collectives here."""
+        return None if output is None else task.sums(output, targets)
+
     def sync_buffers(self) -> None:
         """Give every replica rank 0's buffers (BatchNorm running statistics drift apart between replicas)."""
         for buffer in self.model.buffers():

@@ -140,11 +140,22 @@ class FSDPStrategy(Strategy):
 
     @torch.no_grad()
     def eval_forward(self, inputs, call=call_model):
-        """Every rank of a tp group runs the forward (its collectives); the first one's output is scored."""
+        """Every rank of a tp group runs the forward (its collectives); the first one's output is scored. Under
+        loss parallelism every rank keeps its share of the logits, split by vocabulary: `score` works on them."""
         output = call(self.model, inputs)
-        if hasattr(output, "full_tensor"):  # loss parallel's split logits, gathered for the task's metrics
-            output = output.full_tensor()
-        return output if self.tp_rank == 0 else None
+        return output if self.tp_rank == 0 or self.cfg.loss_parallel else None
+
+    @torch.no_grad()
+    def score(self, task, output, targets):
+        """Under loss parallelism the task's sums are computed on the logits' shards by every rank of the tp group
+        (the cross-entropy's collectives), as training does: gathering them was B x T x V in fp32 on every rank,
+        an OOM at the first evaluation with a large vocabulary. The first rank's (replicated) sums count."""
+        if not self.cfg.loss_parallel:
+            return super().score(task, output, targets)
+        with self.loss_context():
+            sums = task.sums(output, targets)
+        sums = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sums.items()}  # scalars
+        return sums if self.tp_rank == 0 else None
 
     def model_state(self) -> dict:
         return get_model_state_dict(self.model, options=GATHER)
