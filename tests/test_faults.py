@@ -292,3 +292,51 @@ def test_a_rank_that_compiles_slower_than_the_collective_timeout_is_waited_for(l
                   env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert final_checkpoint(tmp_path / "run")["step"] == 4
+
+
+SLOW_MODEL = '''
+import os
+import time
+
+import torch.nn as nn
+
+
+class SlowToBuild(nn.Module):
+    """Takes `seconds` to build in a training worker (not in the launcher's check): computing, or blocked."""
+
+    def __init__(self, seconds: float, computing: bool):
+        super().__init__()
+        end = time.monotonic() + (seconds if "RANK" in os.environ else 0)
+        while computing and time.monotonic() < end:
+            sum(range(10000))
+        if not computing:
+            time.sleep(seconds if "RANK" in os.environ else 0)
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(256, 10))
+
+    def forward(self, x):
+        return self.net(x)
+'''
+
+
+@pytest.mark.parametrize("computing", [True, False])
+def test_a_start_up_longer_than_the_hang_limit_is_no_hang_while_it_computes(launch, tmp_path, computing):
+    """A model whose build takes 6 s with trainer.hang_timeout_s=2: it exited 70 "no progress" (nothing beat
+    before the first step). A phase that computes progresses; one that is blocked is still a hang, named by phase."""
+    (tmp_path / "slow_model.py").write_text(SLOW_MODEL)
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "slow.yaml").write_text(
+        f"_target_: slow_model.SlowToBuild\nseconds: 6\ncomputing: {str(computing).lower()}\n")
+    proc = launch("--config-dir", "conf", "model=slow", *FAST, "trainer.hang_timeout_s=2", "trainer.max_steps=2",
+                  f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    if computing:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        timeline = re.search(r"start-up: ([\d.]+) s on rank 0 \(preparing the data [\d.]+ s, building the model "
+                             r"([\d.]+) s, .*the first step [\d.]+ s\)", proc.stdout)
+        assert timeline and float(timeline.group(2)) >= 6 and "no progress" not in proc.stderr
+        [record] = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "startup"]
+        assert record["rank0_building_the_model_s"] >= 6
+    else:
+        assert proc.returncode == 1
+        assert re.search(r"no progress for \d+ s \(starting: building the model after step 0; limit "
+                         r"trainer.hang_timeout_s=2\)", proc.stderr)
+        assert "exit code 70" in proc.stderr and "slow_model.py" in proc.stderr

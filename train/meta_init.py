@@ -207,10 +207,10 @@ def retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
 
 
 @torch.no_grad()
-def materialise(model: nn.Module, recipes: dict, device: torch.device) -> None:
-    """Allocate this rank's part of every parameter and buffer on `device` and fill it, one tensor at a time.
-    Tied parameters stay tied: to_empty gives each owner a tensor of its own, so the later owners are pointed back
-    at the first one's (the one FSDP manages and named_parameters yields)."""
+def materialise(model: nn.Module, recipes: dict, device: torch.device, progress=lambda: None) -> None:
+    """Allocate this rank's part of every parameter and buffer on `device` and fill it, one tensor at a time
+    (`progress()` after each). Tied parameters stay tied: to_empty gives each owner a tensor of its own, so the
+    later owners are pointed back at the first one's (the one FSDP manages and named_parameters yields)."""
     ties = tied_parameters(model)
     model.to_empty(device=device)
     retie(ties)
@@ -223,3 +223,4 @@ def materialise(model: nn.Module, recipes: dict, device: torch.device) -> None:
             tensor.copy_(full)
         del full
         _release_freed_memory()
+        progress()

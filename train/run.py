@@ -34,6 +34,7 @@ from train.host import freeze_imported_objects, keep_freed_memory
 from train.identity import run_identity
 from train.observe.hang import HangReports, flight_recorder_env
 from train.observe.memory import log_memory
+from train.observe.startup import report_startup
 from train.observe.metrics import build_metrics
 from train.observe.profile import build_profiler
 from train.observe.trackers import TrackedRun
@@ -150,18 +151,23 @@ def resume_state(ckpt: CheckpointManager, env: DistEnv, watchdog: Watchdog) -> d
 
 def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, control, watchdog: Watchdog,
           saving=None) -> Run:
-    """`saving`: the gloo group of the checkpoint collectives (a background save's own, apart from `control`)."""
-    data = stage(build_datasets(cfg.data, replica_rank(cfg, env), replicas(cfg, env.world_size)), device)
+    """`saving`: the gloo group of the checkpoint collectives (a background save's own, apart from `control`).
+    Each part is a start-up phase of the watchdog: minutes at scale, never taken for a hang while it progresses."""
+    with watchdog.phase("preparing the data"):
+        data = stage(build_datasets(cfg.data, replica_rank(cfg, env), replicas(cfg, env.world_size)), device)
     plan = make_plan(cfg, env.world_size, train_size(data.train, cfg))
     task = build_task(cfg)
-    model, recipes = build_initial_model(cfg)
+    with watchdog.phase("building the model"):
+        model, recipes = build_initial_model(cfg)
     flops = flops_per_token(model)
     if cfg.trainer.activation_checkpointing:
         checkpoint_blocks(model)
     fmt = memory_format(cfg.trainer, model, device)
-    strategy = build_strategy(model if recipes else place(model, device, fmt), cfg.trainer, env, device)
+    with watchdog.phase("placing and sharding the model"):
+        strategy = build_strategy(model if recipes else place(model, device, fmt), cfg.trainer, env, device)
     if recipes:
-        materialise(strategy.model, recipes, strategy.parameter_device)
+        with watchdog.phase("materialising the model"):
+            materialise(strategy.model, recipes, strategy.parameter_device, progress=watchdog.progressed)
     optimizer = build_optimizer(cfg.optim, strategy.model, plan.lr)
     scheduler = build_scheduler(optimizer, cfg.optim.schedule, plan)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.trainer.precision == "fp16")
@@ -172,17 +178,18 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     ckpt = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint, is_writer=env.is_main,
                              fmt=checkpoint_format(cfg), group=saving, watchdog=watchdog, local_rank=env.local_rank)
     progress, started = Progress(), time.perf_counter()
-    state = resume_state(ckpt, env, watchdog)
-    if state is None and cfg.checkpoint.init_from:  # checked against the model before start (launcher)
-        strategy.load_model_state(read_weights(cfg.checkpoint.init_from))
-        log.info("a fresh start from the weights in %s", cfg.checkpoint.init_from)
-    if state is not None:
-        parts = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, plan=plan, env=env,
-                     config=to_dict(cfg), read_tensors=ckpt.read_tensors,
-                     rank_state=lambda rank: ckpt.rank_state(state, rank))
-        progress = restore_state(state, **parts)
-        ckpt.saved_step = progress.step
-        progress.load_s = time.perf_counter() - started
+    with watchdog.phase("loading the checkpoint"):
+        state = resume_state(ckpt, env, watchdog)
+        if state is None and cfg.checkpoint.init_from:  # checked against the model before start (launcher)
+            strategy.load_model_state(read_weights(cfg.checkpoint.init_from))
+            log.info("a fresh start from the weights in %s", cfg.checkpoint.init_from)
+        if state is not None:
+            parts = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, plan=plan,
+                         env=env, config=to_dict(cfg), read_tensors=ckpt.read_tensors,
+                         rank_state=lambda rank: ckpt.rank_state(state, rank))
+            progress = restore_state(state, **parts)
+            ckpt.saved_step = progress.step
+            progress.load_s = time.perf_counter() - started
     batches = train_source(cfg, data.train, strategy, plan, device, fmt)
     if state is not None and state["world_size"] == plan.world_size and state["global_batch"] == plan.global_batch:
         batches.load_state_dict((ckpt.rank_state(state, env.rank) or {}).get("data"))
@@ -372,16 +379,20 @@ def fit(run: Run) -> Outcome:
         epoch, offset = divmod(progress.step, plan.steps_per_epoch)
         if micro_batches is None or offset == 0:
             micro_batches = batches.epoch(epoch, start=offset * cfg.trainer.accumulate)
-        compiling_now = cfg.trainer.compile and progress.step == start  # the first step compiles: minutes, not a hang
+        first = progress.step == start
+        compiling_now = cfg.trainer.compile and first  # the first step compiles: minutes, not a hang
         # This attempt's first step counts the activations it keeps (not under compile: the hooks would be traced).
-        saved = SavedActivations(run.strategy.model) if progress.step == start and not cfg.trainer.compile else None
-        with compiling(run, "compiling the first step") if compiling_now else contextlib.nullcontext(), \
+        saved = SavedActivations(run.strategy.model) if first and not cfg.trainer.compile else None
+        # The first step also sets up what the collectives need (NCCL's communicators: minutes at scale).
+        with compiling(run, "compiling the first step") if compiling_now else \
+                watchdog.phase("the first step") if first else contextlib.nullcontext(), \
                 saved or contextlib.nullcontext(), profiler.step(progress.step + 1):
             train_step(run.strategy, run.task, micro_batches, run.optimizer, run.scheduler, run.scaler, run.autocast,
                        cfg.trainer, meter)
         progress.step += 1
         if progress.step == start + 1:  # this attempt's first step: the optimizer state exists now
             log_memory(run, metrics, console, progress.step, saved.bytes if saved else 0)
+            report_startup(watchdog.timeline, env, run.control, console, metrics, progress.step)
         watchdog.beat(progress.step)
         console.advance(progress.step)
         if (profiled := profiler.finished(progress.step)) is not None:

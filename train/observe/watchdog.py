@@ -12,6 +12,12 @@ Two kinds of progress are watched, each against its own limit:
 A rank that waits for other ranks' I/O, or compiles, does so inside `paused()`: its training clock stops, and the
 wait is bounded by the others' own I/O watches (their exit breaks the connection the wait is on).
 
+Start-up runs in `phase(name)`s (the data, the model's build, sharding, materialising, the checkpoint's load, the
+first step), which take minutes at scale where a step takes seconds: there, progress is a beat from inside (a
+tensor materialised) or the main thread computing (its CPU time advancing by a tenth of the time at least: a
+user's model build, a tokenizer). A phase that neither beats nor computes for trainer.hang_timeout_s is a hang (a
+lock, a wait that never ends), named by its phase. Each phase's duration is kept (`timeline`).
+
 Before a rank exits on a hang, every rank writes where it is into RUN_DIR/hang/ and the summary names the ranks
 that are behind (train/observe/hang.py); each tick also answers another rank's request for such a report.
 """
@@ -32,6 +38,15 @@ from dataclasses import dataclass, field
 from train.observe.hang import NullHangReports, innermost_own_frame
 
 HANG_EXIT_CODE = 70  # "internal software error": distinguishes a detected hang from a crash in the logs
+BUSY = 0.1  # in a start-up phase, the main thread computing at least this share of the time is progress
+
+
+def _main_thread_cpu_clock() -> int | None:
+    """The CPU-time clock of the main thread, which the watchdog's thread reads (Linux, macOS); None elsewhere."""
+    try:
+        return time.pthread_getcpuclockid(threading.main_thread().ident)
+    except (AttributeError, OSError):
+        return None
 
 
 @dataclass
@@ -53,6 +68,10 @@ class Watchdog:
         self.pauses = 0
         self.streams: dict[int, _Stream] = {}  # the checkpoint streams open now, by a serial number
         self.serial = itertools.count()
+        self.phase_name: str | None = None  # the start-up phase running now
+        self.timeline: list[tuple[str, float]] = []  # (phase, seconds) of the start-up, in order
+        self._cpu_clock = _main_thread_cpu_clock()
+        self._cpu_seen = self._main_cpu()
         self.stopped = threading.Event()
         limits = [t for t in (timeout_s, io_timeout_s) if t > 0]
         self.every = min(5.0, min(limits) / 4) if limits else 0.0  # also how soon this rank answers a hang report
@@ -61,6 +80,32 @@ class Watchdog:
 
     def beat(self, step: int, activity: str = "training") -> None:
         self.step, self.activity, self.last = step, activity, time.monotonic()
+
+    def progressed(self) -> None:
+        """Progress inside what is being done now (a tensor materialised), without changing what it is."""
+        self.last = time.monotonic()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """A start-up phase: progress is a beat from inside or the main thread computing (see the module)."""
+        started = time.monotonic()
+        self.phase_name, self._cpu_seen = name, self._main_cpu()
+        self.beat(self.step, f"starting: {name}")
+        try:
+            yield
+        finally:
+            self.timeline.append((name, time.monotonic() - started))
+            self.phase_name = None
+            self.beat(self.step, "training")
+
+    def _main_cpu(self) -> float:
+        return time.clock_gettime(self._cpu_clock) if self._cpu_clock is not None else 0.0
+
+    def _computing(self) -> bool:
+        """Whether the main thread used at least BUSY of the time since the last look (in a phase)."""
+        cpu, seen = self._main_cpu(), self._cpu_seen
+        self._cpu_seen = cpu
+        return self._cpu_clock is not None and cpu - seen >= BUSY * self.every
 
     @contextlib.contextmanager
     def paused(self, activity: str):
@@ -97,6 +142,8 @@ class Watchdog:
                     return (f"[rank {self.rank}] checkpoint I/O made no progress for {now - stream.last:.0f} s "
                             f"({stream.what}, {stream.done / 2**20:.1f} MB done; limit "
                             f"checkpoint.io_timeout_s={self.io_timeout_s:g}).")
+        if self.phase_name is not None and self._computing():
+            self.last = now  # a start-up phase that computes makes progress, however long it takes
         idle = now - self.last
         if self.timeout_s > 0 and idle > self.timeout_s and not self.pauses:
             return (f"[rank {self.rank}] no progress for {idle:.0f} s ({self.activity} after step {self.step}; "
