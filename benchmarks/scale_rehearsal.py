@@ -242,8 +242,8 @@ class SymmetricWorld:
             return len(pickle.dumps(obj))
 
         def all_gather_object(object_list, obj, group=None):
-            n = dist.get_world_size(group)
-            object_list[:] = [obj] * n
+            n, me = dist.get_world_size(group), dist.get_rank(group)
+            object_list[:] = [self.as_rank(obj, r + (self.rank - me)) for r in range(n)]
             counters.collective("all_gather_object", size(obj) * n)
 
         def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
@@ -312,13 +312,14 @@ def files_of_other_ranks(world: SymmetricWorld, counters: Counters) -> None:
 
 # --- the run ----------------------------------------------------------------------------------------------------
 
-def write_tokens(directory: Path, count: int, vocab: int) -> None:
+def write_tokens(directory: Path, world: int, block: int, vocab: int) -> None:
+    """Random tokens: 16 training windows per rank of the largest world, one evaluation window per rank."""
     import numpy as np
 
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    for name in ("train.bin", "val.bin"):
-        rng.integers(0, vocab, count, dtype=np.uint16).tofile(directory / name)
+    for name, windows in (("train.bin", 16), ("val.bin", 1)):
+        rng.integers(0, vocab, world * windows * block + 1, dtype=np.uint16).tofile(directory / name)
     (directory / "meta.json").write_text(json.dumps({"vocab_size": vocab, "dtype": "uint16"}))
 
 
@@ -436,7 +437,7 @@ def rank_process(args) -> dict:
     if rank == 0:
         with counters.uncounted():  # the last rank's process resumes from a copy of this run directory
             shutil.copytree(Path(args.config).parent, Path(args.config).parent.with_name("for-the-last-rank"),
-                            dirs_exist_ok=True)
+                            dirs_exist_ok=True, copy_function=os.link)  # links: 512 shards, no bytes
     resume_dir = Path(args.config).parent if rank == 0 else Path(args.config).parent.with_name("for-the-last-rank")
     with counters.in_phase("resume"):
         cfg.checkpoint.resume = True
@@ -520,8 +521,7 @@ def rehearse(args) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="rehearsal-") as scratch:
         scratch = Path(scratch)
         model = MODEL_SMALL if args.small else MODEL_7B_SHAPE
-        write_tokens(scratch / "data", max(worlds * (model["block_size"] + 1) * 16 for worlds in args.worlds),
-                     model["vocab_size"])
+        write_tokens(scratch / "data", max(args.worlds), model["block_size"], model["vocab_size"])
         for world in args.worlds:
             config = snapshot(scratch / f"world{world}" / "run", scratch / "data", world, args)
             for rank in (0, world - 1):

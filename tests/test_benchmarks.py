@@ -123,3 +123,23 @@ def test_layout_benchmark_reports_memory_per_rank_and_tokens_per_second(tmp_path
     for figures in report.values():
         assert len(figures["param_mb"]) == 2 and figures["median_tokens_per_s"] > 0
     assert f"{report['tp 2']['median_tokens_per_s']:9.0f} tokens/s" in proc.stdout
+
+
+def test_the_scale_rehearsal_in_small_meets_its_targets(tmp_path):
+    """Rank 0 and the last rank of 8 and 64 ranks (fake process group), a 2-layer GPT: what the last rank does at
+    save and resume does not grow with the world (metadata operations, bytes received), a model build that
+    computes longer than the hang limit is no hang, and a stop is agreed within stop_check_s plus two steps."""
+    out = tmp_path / "rehearsal.json"
+    proc = run_cli("benchmarks.scale_rehearsal", "--worlds", "8", "64", "--small", "--n-embd", "64", "--fs-ms", "0",
+                   "--read-mb-s", "0", "--build-s", "2", "--hang-s", "1", "--step-s", "0.5", "--stop-check-s", "0.2",
+                   "--out", str(out), cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # no rank exited 70 in its 2 s model build
+    results = {(r["world"], r["rank"]): r for r in json.loads(out.read_text())["results"]}
+    last = {world: results[(world, world - 1)]["phases"] for world in (8, 64)}
+    for phase in ("save", "async save write", "stop", "resume"):
+        assert last[8][phase]["fs_ops"] == last[64][phase]["fs_ops"], phase
+        assert last[64][phase]["received_bytes"] <= 1.1 * last[8][phase]["received_bytes"] + 1024, phase
+    for result in results.values():
+        assert result["resumed_step"] > 0  # the resume found and loaded the stop's checkpoint
+        assert result["stop_agreed_s"] <= 0.2 + 2 * 0.5 + 0.5  # stop_check_s, two steps, the save's own slack
+    assert "stop agreed after" in proc.stdout

@@ -104,9 +104,11 @@ def test_resume_mid_epoch_with_loader_workers_and_augmentation_is_bitwise(projec
                            final_checkpoint(tmp_path / "straight")["model"]["head.weight"])
 
 
+# Limits well inside the test's own timeout (300 s): a hang (a loader worker that never answers, once, in a parallel
+# run) is reported with every rank's stacks instead of being killed silently by the test's timeout.
 STREAM = ["--config-dir", "conf", "+experiment=diabetes", "data=diabetes_stream", "trainer.progress=lines",
           "trainer.threads=1", "data.num_workers=2", "data.train.noise=0.1", "model.dropout=0.1", "data.batch_size=16",
-          "trainer.eval_every=0"]
+          "trainer.eval_every=0", "trainer.hang_timeout_s=60", "trainer.timeout_s=60"]
 
 
 def test_a_stream_resumes_mid_epoch_bitwise_from_its_saved_position(project, tmp_path):
