@@ -316,3 +316,59 @@ def test_evaluation_under_loss_parallelism_scores_the_shards_without_gathering_t
     for result in results.values():
         assert result["loss"] == pytest.approx(result["reference"], rel=1e-6)
         assert result["largest_gather"] <= 1, result  # 4 x 16 x 512 logits before
+
+
+def _materialise_worker(rank: int, world: int, port: int, out) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import train.meta_init as meta_init
+    from train.dist import exit_without_finalizing
+    from train.gpt import GPT
+    from train.layout import Layout
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=60))
+
+    def build():
+        return GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, tie_weights=False)
+
+    torch.manual_seed(3)
+    reference = build().state_dict()
+    torch.manual_seed(3)
+    model, recipes = meta_init.build_on_meta(build)
+    mesh = Layout(pp=1, dp_replicate=1, dp_shard=world, tp=1).mesh("cpu", always=("dp_shard",))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    replays = []
+    replay = meta_init.replay
+    meta_init.replay = lambda steps: replays.append(1) or replay(steps)
+    meta_init.materialise(model, recipes, torch.device("cpu"))
+    equal = all(torch.equal(value.full_tensor(), reference[key]) for key, value in model.state_dict().items())
+    out[rank] = {"replays": len(replays), "tensors": len(recipes), "equal": equal}
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_without_finalizing()
+
+
+def test_materialising_a_sharded_model_replays_each_tensor_on_one_rank_of_its_shard_group():
+    """Every rank replayed every full tensor (a normal draw per element of the whole model: minutes per rank for
+    70B). Now one rank of each shard group replays a tensor, in turn, and scatters it: the same values."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_materialise_worker, args=(2, port, out), nprocs=2, join=True)
+        results = dict(out)
+    assert all(r["equal"] for r in results.values())  # exactly a full build's values
+    tensors = results[0]["tensors"]
+    assert sum(r["replays"] for r in results.values()) == tensors  # each tensor once in the group
+    assert max(r["replays"] for r in results.values()) <= tensors // 2 + 1

@@ -12,7 +12,10 @@ model is built on the `meta` device under a dispatch mode that watches the opera
 
 `materialise` then replays one tensor at a time on the CPU (the generator set back to each recorded state), keeps
 this rank's part (DTensor placements: any mesh, HSDP's included) and drops the rest: a rank's peak is its shards plus
-the largest single tensor. Tied parameters (an output layer sharing the embedding's matrix) stay tied. What cannot
+the largest single tensor. Replaying is the cost (a normal draw per element: minutes for a 70B model on every rank,
+were every rank to replay every tensor): a tensor sharded along one dimension of the mesh (FSDP, HSDP) is replayed
+by one rank of each shard group, in turn, which scatters the pieces to the others, so each rank replays about
+1/(shard group) of the model; other layouts (tensor parallel pieces) are replayed by every rank. Tied parameters (an output layer sharing the embedding's matrix) stay tied. What cannot
 be replayed this way (a tensor computed from or filled from another, written
 through a view, a private generator) is reported by `Unsupported`, and the caller falls back to the full build.
 """
@@ -214,13 +217,33 @@ def materialise(model: nn.Module, recipes: dict, device: torch.device, progress=
     ties = tied_parameters(model)
     model.to_empty(device=device)
     retie(ties)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        full = replay(recipes[name])
+    for index, (name, tensor) in enumerate([*model.named_parameters(), *model.named_buffers()]):
         if isinstance(tensor, DTensor):
-            mine = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
-            tensor.to_local().copy_(mine)
+            tensor.to_local().copy_(_my_piece(recipes[name], tensor, index))
         else:
-            tensor.copy_(full)
-        del full
+            tensor.copy_(replay(recipes[name]))
         _release_freed_memory()
         progress()
+
+
+def _shard_group(tensor: DTensor) -> int | None:
+    """The mesh dimension along which `tensor` is split, where it is split along one only and replicated along
+    the others (FSDP, HSDP); None otherwise."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    sharded = [d for d, p in enumerate(tensor.placements) if type(p) is Shard]
+    whole = all(type(p) is Replicate for d, p in enumerate(tensor.placements) if d not in sharded)
+    return sharded[0] if len(sharded) == 1 and whole and tensor.device_mesh.mesh_dim_names else None
+
+
+def _my_piece(steps: list, tensor: DTensor, index: int) -> torch.Tensor:
+    """This rank's piece of the tensor `steps` make: replayed by the `index`-th rank (in turn) of this rank's shard
+    group and scattered over it; replayed here and cut where the layout is not one shard dimension."""
+    mesh, dim = tensor.device_mesh, _shard_group(tensor)
+    if dim is None or mesh.size(dim) == 1:
+        full = replay(steps)
+        return distribute_tensor(full, mesh, tensor.placements, src_data_rank=None).to_local()
+    group = mesh[mesh.mesh_dim_names[dim]]
+    source = index % group.size()
+    full = replay(steps) if group.get_local_rank() == source else torch.empty(tensor.shape, dtype=tensor.dtype)
+    return distribute_tensor(full, group, [tensor.placements[dim]], src_data_rank=source).to_local()
