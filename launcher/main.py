@@ -29,12 +29,17 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def write_snapshot(cfg: DictConfig, run_dir: Path) -> tuple[Path, list[str]]:
-    """Write the resolved config atomically; return its path and what changed since the last launch here."""
+    """Write the resolved config atomically; return its path and what changed since the last launch here. The
+    launchers of a multi-node run write the same text into one shared directory: the first writes it, the others
+    find it there and leave it (a write that could not tear it anyway: train.files)."""
     path = run_dir / CONFIG_FILE
     text = OmegaConf.to_yaml(cfg, resolve=True)
     changed = []
     if path.exists():
-        old = flatten(OmegaConf.to_container(OmegaConf.load(path)))
+        old_text = path.read_text()
+        if old_text == text:
+            return path, changed
+        old = flatten(OmegaConf.to_container(OmegaConf.create(old_text)))
         new = flatten(OmegaConf.to_container(OmegaConf.create(text)))
         changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
     replace_text(path, text)
