@@ -43,7 +43,8 @@ def test_sharded_io_slower_than_every_limit_finishes_and_each_rank_hashes_its_ow
     saved = streams(first.stderr, 0)
     assert "writing .step_00000003.tmp/__0_0.distcp" in saved and "writing .step_00000003.tmp/trainer.pt" in saved
     assert not [s for s in saved if "__1_" in s], f"rank 0 touched rank 1's shard while saving: {saved}"
-    assert streams(first.stderr, 1) == ["writing .step_00000003.tmp/__1_0.distcp"]
+    assert streams(first.stderr, 1) == ["writing .step_00000003.tmp/__1_0.distcp",
+                                        "writing .step_00000003.tmp/rank_00001.pt"]  # its shard and its own state
 
     resumed = launch_at(run_dir, *FSDP2, *limits, "trainer.max_steps=4", env=slow)
     assert "resuming from" in resumed.stderr and "no progress" not in resumed.stderr
