@@ -372,3 +372,39 @@ def test_materialising_a_sharded_model_replays_each_tensor_on_one_rank_of_its_sh
     tensors = results[0]["tensors"]
     assert sum(r["replays"] for r in results.values()) == tensors  # each tensor once in the group
     assert max(r["replays"] for r in results.values()) <= tensors // 2 + 1
+
+
+STRAY_RANK = """
+import os, sys, time
+from train.dist import DistEnv, init_process_group
+started = time.monotonic()
+try:
+    init_process_group(DistEnv(1, 1, 2, 2), "gloo", __import__("torch").device("cpu"), 20)
+except RuntimeError as error:
+    print(f"refused after {time.monotonic() - started:.1f} s: {error}")
+    sys.exit(3)
+print("joined")
+"""
+
+
+def test_a_rank_given_another_runs_port_stops_at_once_instead_of_joining_it():
+    """Two launches at once can be given the same MASTER_PORT (the agent picks it free and releases it). A rank of
+    one run then joined the other run's store and took the place of one of its ranks: both hung until their
+    timeouts (a parallel test run hung once). Now rank 0 names its attempt in its store, and a rank that finds
+    another name stops at once, naming the port."""
+    import datetime
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    other = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, multi_tenant=True,
+                          timeout=datetime.timedelta(seconds=30))
+    other.set("train/attempt", "run-b:0")  # the other run's rank 0 (train.dist.ATTEMPT_KEY)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(other.port), "RANK": "1", "WORLD_SIZE": "2",
+           "TORCHELASTIC_RUN_ID": "run-a", "TORCHELASTIC_RESTART_COUNT": "0"}
+    proc = subprocess.run([sys.executable, "-c", STRAY_RANK], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"MASTER_PORT={other.port} on 127.0.0.1 serves another run (attempt 'run-b:0'), not this one " \
+           f"('run-a:0')" in proc.stdout
+    assert float(proc.stdout.split("refused after ")[1].split(" s")[0]) < 10  # at once, not at the 20 s timeout

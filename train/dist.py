@@ -94,11 +94,49 @@ def default_threads(env: DistEnv) -> int:
     return max(1, cores // env.local_world_size)
 
 
+ATTEMPT_KEY = "train/attempt"
+
+
+def attempt_id() -> str | None:
+    """What names this attempt of this run, the same on all its ranks: the elastic agent's run id (torchrun, the
+    launcher) or SLURM's job, with the restart count; None where neither says."""
+    for run, restarts in (("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"), ("SLURM_JOB_ID", "SLURM_RESTART_COUNT")):
+        if os.environ.get(run):
+            return f"{os.environ[run]}:{os.environ.get(restarts, '0')}"
+    return None
+
+
+def rendezvous_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """The store at MASTER_ADDR:MASTER_PORT, served by rank 0 (as env:// makes it), checked to be this attempt's.
+
+    The agent picks MASTER_PORT free and releases it; rank 0 binds it seconds later. Two launches at once can be
+    given the same port: one's rank 0 then fails to bind it (an error), but its other ranks would join the other
+    run's store and take the places of that run's ranks (a hang of the other run, seen once in a parallel test run).
+    Rank 0 writes the attempt's name; a rank that finds another name there stops at once, saying so."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, env.world_size, is_master=env.rank == 0, timeout=timeout, multi_tenant=True)
+    attempt = attempt_id()
+    if attempt is not None:
+        if env.rank == 0:
+            store.set(ATTEMPT_KEY, attempt)
+        elif (found := store.get(ATTEMPT_KEY).decode()) != attempt:
+            raise RuntimeError(
+                f"MASTER_PORT={port} on {host} serves another run (attempt {found!r}), not this one ({attempt!r}): "
+                f"another launch took the port between the agent's choice and this rank's start. This attempt stops; "
+                f"with launcher.max_restarts the next one gets another port, or run the same command again.")
+    return store
+
+
 def init_process_group(env: DistEnv, backend: str, device: torch.device, timeout_s: int) -> None:
     timeout = timedelta(seconds=timeout_s)
     device_id = device if device.type == "cuda" else None
-    if "MASTER_ADDR" in os.environ:
+    if "MASTER_ADDR" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        # Plain torchrun: the agent's own store, which the agent holds bound (no port to race for).
         dist.init_process_group(backend, init_method="env://", timeout=timeout, device_id=device_id)
+    elif "MASTER_ADDR" in os.environ:
+        store = rendezvous_store(env, timeout)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                                device_id=device_id)
     else:
         # A lone process (no launcher): a private in-memory store, no port to clash with.
         dist.init_process_group(
