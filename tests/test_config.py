@@ -261,3 +261,17 @@ def test_cli_refuses_a_missing_data_set(launch, tmp_path):
     assert f"{tmp_path / 'nothing-here' / 'cifar-10-batches-py'}" in proc.stderr
     assert "cifar-10-python.tar.gz" in proc.stderr
     _assert_nothing_started(tmp_path)
+
+
+def test_a_snapshot_of_an_earlier_version_still_loads(tmp_path):
+    """An older run directory's config.yaml holds trainer.stop_check_every, which this version replaced."""
+    from omegaconf import OmegaConf
+
+    from train.config import TrainConfig, load_config
+
+    snapshot = OmegaConf.structured(TrainConfig)
+    raw = OmegaConf.to_container(snapshot)
+    raw["trainer"].pop("stop_check_s")
+    raw["trainer"]["stop_check_every"] = 10
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(raw))
+    assert load_config(tmp_path / "config.yaml").trainer.stop_check_s == 5.0

@@ -13,6 +13,7 @@ workers build it with hydra.utils.instantiate from the snapshot (train/build.py)
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,9 @@ class TrainConfig:
 
 
 CONFIG_FILE = "config.yaml"
+# Keys that snapshots of earlier versions hold and this one no longer reads (with what replaced them): an older run
+# directory's config.yaml still loads (`python -m train RUN_DIR/config.yaml`, under plain torchrun).
+RETIRED = {("trainer", "stop_check_every"): "trainer.stop_check_s"}
 
 
 def load_config(path: str | Path) -> TrainConfig:
@@ -171,6 +175,11 @@ def load_config(path: str | Path) -> TrainConfig:
     Sections that belong to the launcher (e.g. `launcher:`) are ignored, so one snapshot serves both.
     """
     raw = OmegaConf.load(path)
+    for (section, key), successor in RETIRED.items():
+        if key in raw.get(section, {}):
+            del raw[section][key]
+            logging.getLogger("train").warning("%s: %s.%s is no longer read (%s replaces it)", path, section, key,
+                                               successor)
     known = [f.name for f in dataclasses.fields(TrainConfig)]
     typed = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.masked_copy(raw, known))
     return OmegaConf.to_object(typed)
