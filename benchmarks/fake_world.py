@@ -133,6 +133,7 @@ class SymmetricWorld:
     def __init__(self, counters: Counters, rank: int, world: int):
         self.counters, self.rank, self.world = counters, rank, world
         self.sent = None  # this rank's last gathered object: what the coordinator sends back in a scatter
+        self.chunk_sizes: dict = {}  # (fqn, offset) -> (chunk sizes, dim 0 of the whole) of this rank's last plan
 
     def as_rank(self, value, rank: int):
         """`value` as rank `rank` would have given it."""
@@ -185,8 +186,6 @@ class SymmetricWorld:
         index = dataclasses.replace(index, offset=self._offset(index.offset, sizes, whole, rank), index=None)
         info = dataclasses.replace(info, relative_path=self.file_as(info.relative_path, rank))
         return dataclasses.replace(result, index=index, storage_data=info)
-
-    chunk_sizes: dict = {}
 
     def remember(self, value) -> None:
         from torch.distributed.checkpoint.planner import SavePlan, WriteItemType

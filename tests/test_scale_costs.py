@@ -56,6 +56,32 @@ class MetadataOperations:
         return counted
 
 
+def spawn_ranks(worker, world: int, **shared) -> dict:
+    """Run `worker(rank, world, port, out)` in `world` real processes (gloo, env:// on a free port); `out` starts as
+    `shared` and holds what the ranks put there."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict(shared)
+        mp.spawn(worker, args=(world, port, out), nprocs=world, join=True)
+        return dict(out)
+
+
+def join_group(rank: int, world: int, port: int, timeout_s: int = 60) -> None:
+    """A spawned rank's process group (gloo, env://), as the launcher's ranks make it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+
+
 @pytest.mark.parametrize("rank", ["first", "last"])
 def test_verifying_a_step_directory_costs_each_rank_the_same_at_8_and_at_64_ranks(tmp_path, monkeypatch, rank):
     """Every rank stat-ed every file of the manifest (2 x world + 2) before reading its own."""
@@ -123,7 +149,6 @@ def test_a_tensor_parallel_group_resumes_with_one_random_stream_after_a_change_o
 
 
 def _mesh_worker(rank: int, world: int, port: int, out) -> None:
-    import datetime
 
     import torch.distributed as dist
 
@@ -131,8 +156,7 @@ def _mesh_worker(rank: int, world: int, port: int, out) -> None:
     from train.layout import Layout
     from train.observe.hang import HangReports, collectives_done
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=7))
+    join_group(rank, world, port, timeout_s=7)
     mesh = Layout(pp=1, dp_replicate=1, dp_shard=2, tp=2).mesh("cpu")
     tp, shard = mesh.get_group("tp"), mesh.get_group("dp_shard")
     result = {"timeouts": [timeout_of(g).total_seconds() for g in (tp, shard)]}
@@ -161,20 +185,10 @@ def test_mesh_groups_keep_the_timeout_set_the_patience_covers_them_and_a_hang_in
     """Groups split off for a device mesh had the backend's default timeout (30 minutes under gloo) instead of
     trainer.timeout_s; compile's patience lifted the world's alone; the hang report counted the world's
     collectives, so a rank behind in a tp group was not named."""
-    import socket
-
-    import torch.multiprocessing as mp
-
     from train.observe.hang import summary
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict(run_dir=str(tmp_path))
-        mp.spawn(_mesh_worker, args=(4, port, out), nprocs=4, join=True)
-        results = {r: out[r] for r in range(4)}
-        incident = out["incident"]
+    out = spawn_ranks(_mesh_worker, 4, run_dir=str(tmp_path))
+    results, incident = {r: out[r] for r in range(4)}, out["incident"]
     for result in results.values():
         assert result["timeouts"] == [7.0, 7.0] and all(result["patient"]) and set(result["after"]) == {7.0}
         assert result["store"] and result["seen"] == incident
@@ -263,7 +277,6 @@ def test_profiled_steps_are_recorded_on_the_chosen_ranks_only(tmp_path):
 def _loss_parallel_eval(rank: int, world: int, port: int, out) -> None:
     import contextlib
     import copy
-    import datetime
 
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -276,8 +289,7 @@ def _loss_parallel_eval(rank: int, world: int, port: int, out) -> None:
     from train.strategies import build_strategy
     from train.tasks import LanguageModeling
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=60))
+    join_group(rank, world, port)
     torch.manual_seed(0)
     model = GPT(vocab_size=512, block_size=16, n_layer=1, n_head=2, n_embd=32)
     tokens = torch.randint(512, (4, 17), generator=torch.Generator().manual_seed(1))
@@ -302,24 +314,13 @@ def _loss_parallel_eval(rank: int, world: int, port: int, out) -> None:
 def test_evaluation_under_loss_parallelism_scores_the_shards_without_gathering_the_logits():
     """The logits were gathered whole on every tp rank (B x T x V in fp32) to be scored; now the cross-entropy runs
     on the vocabulary shards, and what is gathered is a few scalars."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_loss_parallel_eval, args=(2, port, out), nprocs=2, join=True)
-        results = dict(out)
+    results = spawn_ranks(_loss_parallel_eval, 2)
     for result in results.values():
         assert result["loss"] == pytest.approx(result["reference"], rel=1e-6)
         assert result["largest_gather"] <= 1, result  # 4 x 16 x 512 logits before
 
 
 def _materialise_worker(rank: int, world: int, port: int, out) -> None:
-    import datetime
 
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -329,8 +330,7 @@ def _materialise_worker(rank: int, world: int, port: int, out) -> None:
     from train.gpt import GPT
     from train.layout import Layout
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=60))
+    join_group(rank, world, port)
 
     def build():
         return GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, tie_weights=False)
@@ -357,17 +357,7 @@ def _materialise_worker(rank: int, world: int, port: int, out) -> None:
 def test_materialising_a_sharded_model_replays_each_tensor_on_one_rank_of_its_shard_group():
     """Every rank replayed every full tensor (a normal draw per element of the whole model: minutes per rank for
     70B). Now one rank of each shard group replays a tensor, in turn, and scatters it: the same values."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_materialise_worker, args=(2, port, out), nprocs=2, join=True)
-        results = dict(out)
+    results = spawn_ranks(_materialise_worker, 2)
     assert all(r["equal"] for r in results.values())  # exactly a full build's values
     tensors = results[0]["tensors"]
     assert sum(r["replays"] for r in results.values()) == tensors  # each tensor once in the group
