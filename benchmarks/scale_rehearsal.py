@@ -135,7 +135,7 @@ def rank_process(args) -> dict:
 
     def step():
         train_step(run.strategy, run.task, batches, run.optimizer, run.scheduler, run.scaler, run.autocast,
-                   cfg.trainer, meter)
+                   cfg.trainer, meter, run.finite)
         run.progress.step += 1
         watchdog.beat(run.progress.step)
 

@@ -18,6 +18,7 @@ still work; only the printed causes, the signal translation and the double-signa
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import signal
 import sys
@@ -31,6 +32,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
+
+from train.finite import NONFINITE_EXIT_CODE
 
 # The agent turns these into SignalException and forwards them to the workers, which save and stop.
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
@@ -86,9 +89,17 @@ def failure_report(failures: dict[int, ProcessFailure]) -> str:
     return "\n".join(lines)
 
 
+def restart_would_repeat(failures: dict[int, ProcessFailure]) -> bool:
+    """Whether the ranks failed in a way a restart from the newest checkpoint would only repeat: a loss that
+    was not finite (train/finite.py) comes back at the same step."""
+    return all(f.exitcode == NONFINITE_EXIT_CODE for _, f in root_causes(failures))
+
+
 class Agent(LocalElasticAgent):
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
+        if result.is_failed() and restart_would_repeat(result.failures):
+            self._remaining_restarts = 0  # the failure is reported once, at the end, and not restarted into
         if result.is_failed() and self._remaining_restarts > 0:
             spec = worker_group.spec
             number = spec.max_restarts - self._remaining_restarts + 1
@@ -176,8 +187,17 @@ def extensions_supported() -> bool:
     )
 
 
+class Repeated(logging.Filter):
+    """Drops torch's own "failed (exitcode: N) local_rank: ..." lines, logged up to three times per failure: the
+    launcher reports the failing rank's error itself (failure_report), once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode")
+
+
 def run_agent(config: LaunchConfig, entrypoint: str, args: list[str]) -> None:
     """Run the worker group to completion; raise ChildFailedError when it fails for good."""
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(Repeated())
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = SIGNALS_TO_HANDLE
     # Workers must not reuse the agent's rendezvous store: its keys outlive a restart, and the restarted ranks
     # read their predecessors' addresses and hang in init (pytorch/pytorch#135712). Rank 0 hosts a fresh store

@@ -1,9 +1,11 @@
-"""`python -m launcher.export RUN_DIR [--step N | --best] --out model.pt`: a run's weights as the plain
+"""`python -m launcher.export RUN_DIR [--step N | --best] (--out model.pt | --hf DIR)`: a run's weights as the plain
 single-device state_dict, whatever format the checkpoint has (one file or a sharded step directory).
 
 The result loads with `torch.load(path, weights_only=True)` into the model the run's snapshot builds
 (`hydra.utils.instantiate(cfg.model)`): it is checked against that model before it is written. An output name
-ending in `.safetensors` is written with the safetensors library (pip install safetensors).
+ending in `.safetensors` is written with the safetensors library (pip install safetensors). `--hf DIR` writes a
+Hugging Face model's folder as its own `save_pretrained` does (config.json and model.safetensors), which
+`from_pretrained(DIR)` loads.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def model_state(path: Path) -> dict:
         raise ExportError(f"{error}: choose another step with --step") from None
 
 
-def export(run_dir: Path, out: Path, step: int | None = None, best: bool = False) -> Path:
+def checked_state(run_dir: Path, step: int | None, best: bool):
+    """(the checkpoint's path, its model state, the run's config), the state checked against the run's model."""
     source = find_checkpoint(run_dir, step, best)
     state = model_state(source)
     cfg = load_config(run_dir / CONFIG_FILE)
@@ -71,6 +74,27 @@ def export(run_dir: Path, out: Path, step: int | None = None, best: bool = False
     problem = misfit(model, state)
     if problem:
         raise ExportError(f"{source} does not fit the model of {run_dir / CONFIG_FILE}: {problem}")
+    return source, state, cfg
+
+
+def export_hf(run_dir: Path, out: Path, step: int | None = None, best: bool = False) -> Path:
+    """The run's model with the checkpoint's weights, written by its own save_pretrained (a Hugging Face model)."""
+    source, state, cfg = checked_state(run_dir, step, best)
+    model = build_model(cfg)  # real tensors: save_pretrained writes what the model holds
+    if not hasattr(model, "save_pretrained"):
+        raise ExportError(f"--hf writes a Hugging Face model's folder, but model._target_={cfg.model['_target_']} "
+                          f"builds a {type(model).__name__}, which has no save_pretrained: use --out model.pt "
+                          f"(or .safetensors) instead.")
+    model.load_state_dict(state)  # strict: every weight of the checkpoint, none left at its initial value
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar for one file of a small model is noise in a log
+    model.save_pretrained(out)
+    return source
+
+
+def export(run_dir: Path, out: Path, step: int | None = None, best: bool = False) -> Path:
+    source, state, _ = checked_state(run_dir, step, best)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
         try:
@@ -90,16 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest committed one)")
     which.add_argument("--best", action="store_true", help="the best evaluation's checkpoint")
-    parser.add_argument("--out", type=Path, required=True, help="model.pt, or model.safetensors")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", type=Path, help="model.pt, or model.safetensors")
+    where.add_argument("--hf", type=Path, metavar="DIR",
+                       help="a Hugging Face model's folder (config.json, model.safetensors) for from_pretrained")
     args = parser.parse_args(argv)
     if not (args.run_dir / CONFIG_FILE).is_file():
         parser.error(f"{args.run_dir} has no {CONFIG_FILE}: give the run directory of a training run")
     try:
-        source = export(args.run_dir, args.out, args.step, args.best)
+        write, out = (export_hf, args.hf) if args.hf else (export, args.out)
+        source = write(args.run_dir, out, args.step, args.best)
     except ExportError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out} from {source}")
+    print(f"wrote {out} from {source}")
     return 0
 
 

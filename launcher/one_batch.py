@@ -13,6 +13,7 @@ errors are reported.
 from __future__ import annotations
 
 import torch
+from hydra.utils import instantiate
 
 from launcher.schema import Config
 
@@ -54,13 +55,79 @@ def _shape_keys(cfg: Config) -> str:
     return ", ".join(keys)
 
 
+def check_data(cfg: Config, train, evaluation, problems: list[str]) -> None:
+    """What the data sets alone show: an empty evaluation set, a batch larger than a replica's share, samples of
+    different shapes that no collate function pads (two real samples are collated, as the loader will)."""
+    from torch.utils.data import IterableDataset, default_collate
+
+    from launcher.local import world_size
+    from train.optim import make_plan
+
+    if not isinstance(evaluation, IterableDataset) and hasattr(evaluation, "__len__") and len(evaluation) == 0:
+        problems.append(f"data.eval ({cfg.data.eval['_target_']}) holds no sample: evaluation would have nothing to "
+                        f"score. Point it at the held-out files (check its path or split), or give it a few samples.")
+    if hasattr(train, "__len__"):
+        try:
+            make_plan(cfg, world_size(cfg), len(train))
+        except ValueError as error:
+            problems.append(str(error))
+    if isinstance(train, IterableDataset) or not hasattr(train, "__getitem__") or not hasattr(train, "__len__") \
+            or len(train) < 2 or cfg.data.collate_fn:
+        return
+    try:
+        default_collate([train[0], train[1]])
+    except RuntimeError as error:
+        if "size" not in str(error):
+            raise
+        problems.append(f"data.train ({cfg.data.train['_target_']}): its samples have different shapes "
+                        f"({_shapes(train[0])} and {_shapes(train[1])}) and data.collate_fn is not set, so no batch "
+                        f"can be made of them. Give a collate function that pads them (data.collate_fn={{_target_: "
+                        f"my_project.pad_batch, _partial_: true}}), or make every sample the same shape.")
+
+
+LABELS_READ = 256  # samples of a map-style set whose labels are checked (reading all of them could take minutes)
+
+
+def check_labels(cfg: Config, task, output, train, problems: list[str]) -> None:
+    """A classifier's labels against its output's width: every label of a built-in set (or of a set with a
+    `targets` list, torchvision's convention), the first LABELS_READ samples' otherwise."""
+    from torch.utils.data import default_collate
+
+    from train.data import TensorData
+    from train.tasks import Classification, logits_of
+
+    if not isinstance(task, Classification):
+        return
+    width = logits_of(output).shape[-1]
+    if isinstance(train, TensorData):
+        labels = train.labels
+    elif isinstance(getattr(train, "targets", None), (torch.Tensor, list)):
+        labels = torch.as_tensor(train.targets)
+    else:
+        collate = instantiate(cfg.data.collate_fn) if cfg.data.collate_fn else default_collate
+        _, labels = task.split(collate([train[i] for i in range(min(len(train), LABELS_READ))]))
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or not labels.numel():
+        return
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0 or high >= width:
+        problems.append(f"data.train ({cfg.data.train['_target_']}) has label {high if high >= width else low}, but "
+                        f"model._target_={cfg.model['_target_']} scores {width} classes (labels 0..{width - 1}): make "
+                        f"the model's output as wide as the classes (e.g. model.num_classes={high + 1}, "
+                        f"data.num_classes={high + 1}), or check the data's labels.")
+
+
 def check_one_batch(cfg: Config, problems: list[str]) -> None:
     from train.build import build_model, build_task
     from train.data import build_dataset
     from train.forecast import first_sample, grow
     from train.step import model_call
 
-    sample = first_sample(cfg, build_dataset(cfg.data.train))
+    train = build_dataset(cfg.data.train)
+    before = len(problems)
+    check_data(cfg, train, build_dataset(cfg.data.eval), problems)
+    if len(problems) > before:
+        return
+    sample = first_sample(cfg, train)
     if sample is None:
         return
     task = build_task(cfg)
@@ -79,6 +146,10 @@ def check_one_batch(cfg: Config, problems: list[str]) -> None:
         inputs, targets = task.split(batch)
         with torch.no_grad():
             output = model_call(task)(model, inputs)
+            if small:  # real values: a label the output cannot score is named, not an IndexError in the loss
+                check_labels(cfg, task, output, train, problems)
+                if len(problems) > before:
+                    return
             task.loss(output, targets)
     except Exception as error:  # noqa: BLE001 (any failure of the user's code is reported, with its type)
         message = " ".join(str(error).split())

@@ -68,6 +68,19 @@ def locate(path: str):
     )
 
 
+def wraps_any_keywords(target) -> bool:
+    """A class whose __init__ is a wrapper taking **kwargs around a narrower signature (inspect shows the inner
+    one): Hugging Face's configs accept any PreTrainedConfig keyword (num_labels, id2label, ...) that way."""
+    init = getattr(target, "__init__", None) if isinstance(target, type) else None
+    if init is None or not hasattr(init, "__wrapped__"):
+        return False
+    try:
+        outer = inspect.signature(init, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind == p.VAR_KEYWORD for p in outer.parameters.values())
+
+
 def check_target(key: str, node, problems: list[str], call: str = "call") -> None:
     """Append to `problems` what is wrong with the target node at `key` (nothing if it is fine)."""
     if not isinstance(node, dict) or "_target_" not in node:
@@ -97,6 +110,8 @@ def check_target(key: str, node, problems: list[str], call: str = "call") -> Non
     except (TypeError, ValueError):
         return  # a builtin without a signature: nothing to bind against
     accepted = [p.name for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if wraps_any_keywords(target):
+        return  # any keyword is taken: nothing to bind against
     takes_any = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
     for name in args:
         if name not in accepted and not takes_any:

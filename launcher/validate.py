@@ -24,6 +24,7 @@ from train.observe.console import PROGRESS_MODES
 from launcher.targets import check_targets
 from train.data import DatasetMissing, prepare
 from train.dist import resolve_backend
+from train.finite import POLICIES as NONFINITE_POLICIES
 from train.identity import describe, identity_changes
 from train.weights import misfit, read_weights
 from train.layout import LayoutError, layout_of
@@ -112,6 +113,7 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
                         f"for a stop signal; 5 costs nothing measurable).")
     _at_least(problems, "trainer.bucket_cap_mb", t.bucket_cap_mb, 1)
     _choice(problems, "trainer.grad_compression", t.grad_compression, GRAD_COMPRESSIONS)
+    _choice(problems, "trainer.nonfinite", t.nonfinite, NONFINITE_POLICIES)
     _choice(problems, "trainer.memory_format", t.memory_format, MEMORY_FORMATS)
     unknown = [name for name in t.stop_signals if name not in signal.Signals.__members__]
     if unknown:

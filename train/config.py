@@ -78,6 +78,7 @@ class TrainerConfig:
     max_steps: int = -1  # stop after this many optimizer steps (schedule unchanged); -1 runs all epochs
     accumulate: int = 1  # micro-batches per optimizer step (gradients all-reduced on the last one only)
     grad_clip: float = 0.0  # clip the global gradient norm to this value; 0 disables clipping
+    nonfinite: str = "stop"  # a NaN/inf training loss: stop (an error naming the step and rank, no checkpoint written) | skip (the step is dropped)
     precision: str = "32"  # 32 | bf16 | fp16 (fp16 needs GPUs and uses a grad scaler)
     tf32: bool = True  # precision 32 on GPUs: fp32 matmuls and convolutions in TF32 (~8x faster, 10-bit mantissa); false: full fp32
     strategy: str = "ddp"  # ddp (copy the model, split the batch) | fsdp (shard parameters, grads, optimizer state) | pipeline (a stage of blocks per process)

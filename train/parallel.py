@@ -9,6 +9,7 @@ single-device) state dicts. It distributes; what the loss is, it does not know: 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,10 @@ MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
 
 
 def call_model(model: nn.Module, inputs):
-    """How the built-in tasks run a model: one positional input (a task may define its own `call`)."""
+    """How the built-in tasks run a model: one positional input, or a dict's entries as keywords (a Hugging Face
+    batch without its labels). A task may define its own `call`."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
     return model(inputs)
 
 
@@ -52,9 +56,10 @@ class Strategy:
         return self.model.parameters()
 
     def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler, call=call_model) -> torch.Tensor:
-        """One micro-step: `loss(call(model, inputs), targets)` (the task's), backward. Gradients are synchronised
-        only when `sync` (the last micro-step of an optimizer step). Returns this rank's loss / trainer.accumulate,
-        detached (zero on ranks that compute no loss)."""
+        """One micro-step: `loss(call(model, inputs), targets)`, backward. `loss` is already this micro-batch's share
+        of the step's loss (train.step.train_step weighs it by the global count). Gradients are synchronised only
+        when `sync` (the last micro-step of an optimizer step). Returns that loss, detached (zero on ranks that
+        compute no loss)."""
         raise NotImplementedError
 
     def clip_grad_norm(self, max_norm: float) -> None:
@@ -127,7 +132,7 @@ class DDPStrategy(Strategy):
     def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler, call=call_model) -> torch.Tensor:
         with contextlib.nullcontext() if sync else no_sync(self.module):
             with autocast():
-                value = loss(call(self.module, inputs), targets) / self.cfg.accumulate
+                value = loss(call(self.module, inputs), targets)
             scaler.scale(value).backward()
         return value.detach().float()
 

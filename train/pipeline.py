@@ -7,8 +7,9 @@ are the whole model's. Every batch is cut into `trainer.microbatches` microbatch
 stages with the GPipe or 1F1B schedule; every stage reads the same batches (one replica), so the global batch is
 data.batch_size x accumulate.
 
-The loss of each microbatch is divided by microbatches x accumulate (and the schedule's own gradient scaling is
-off), so gradients add up over microbatches and micro-steps exactly as one process's mean loss would give.
+The loss of each microbatch is its summed loss over the step's global count (train.step.train_step; the
+schedule's own gradient scaling is off), so gradients add up over microbatches and micro-steps exactly as one
+process's mean loss would give.
 Evaluation sends each batch's activations from stage to stage (any batch size), and the last stage scores it.
 Checkpoints: rank 0 gathers the stages' state dicts into one full `"model"`, and keeps each stage's optimizer
 state in stage order, so a run resumes under pipeline with the same number of stages.
@@ -73,7 +74,7 @@ class PipelineStrategy(Strategy):
         self.loss = None  # the task's, set by forward_backward: the last stage computes it per microbatch
 
     def _loss(self, output, targets) -> torch.Tensor:
-        return self.loss(output, targets) / (self.cfg.microbatches * self.cfg.accumulate)
+        return self.loss(output, targets)
 
     def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler, call=call_model) -> torch.Tensor:
         # `call` is the built-in one (validated before start): the stages pass tensors from one to the next.

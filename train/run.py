@@ -24,12 +24,13 @@ from torch.utils.data import IterableDataset
 from train import dist as distributed
 from train.batches import TrainBatches, eval_batches, stage
 from train.build import add_import_path, build_model, build_optimizer, build_task, checkpoint_blocks
-from train.checkpoint import CheckpointManager, checkpoint_dir, refuse_fresh_start_over
+from train.checkpoint import BEST, BEST_DIR, CheckpointManager, checkpoint_dir, refuse_fresh_start_over
 from train.config import TrainConfig, checkpoint_format, flatten, load_config, to_dict
-from train.observe.console import build_console
+from train.observe.console import build_console, clock
 from train.data import Datasets, TensorData, build_datasets
 from train.dist import DistEnv
 from train.evaluate import evaluate
+from train.finite import FiniteWatch
 from train.host import freeze_imported_objects, keep_freed_memory
 from train.identity import run_identity
 from train.observe.hang import HangReports, flight_recorder_env
@@ -132,6 +133,7 @@ class Run:
     watchdog: Watchdog
     batches: object  # this rank's training batches (train_source)
     flops_per_token: float  # the model's training FLOPs per token, if it says (for MFU); else 0
+    finite: FiniteWatch  # the first step whose loss was NaN or inf (trainer.nonfinite)
     startup_peak_bytes: int = 0  # this process's peak host memory once built (the model, its shards, a checkpoint)
     evaluations: int = 0  # evaluations run by this process (under trainer.compile, the first one compiles)
 
@@ -198,6 +200,7 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
         cfg, run_dir, env, device, data, task, plan, strategy, fmt, optimizer, scheduler, scaler,
         build_autocast(cfg.trainer.precision, device), ckpt, progress, resumed=state is not None, control=control,
         watchdog=watchdog, batches=batches, flops_per_token=flops,
+        finite=FiniteWatch(device, progress.step, cfg.trainer.nonfinite),
         startup_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: kB
     )
 
@@ -230,6 +233,7 @@ def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
     file, under fsdp or pipeline) or writing them in parallel (format dcp). A single file is written by rank 0
     alone while the others wait for it (its stream watched, see the manager)."""
     step, started = run.progress.step, time.perf_counter()
+    run.finite.check("no checkpoint is written and the run stops")
     if run.ckpt.saved_step == step:
         if is_best:
             run.ckpt.wait()  # best/ links the files of the step being written
@@ -326,6 +330,7 @@ def compiling(run: Run, what: str):
 def evaluate_and_save(run: Run, metrics, console) -> dict[str, float]:
     """Evaluate, then checkpoint: the file written at this step carries this evaluation (best metric, best.pt)."""
     progress, watchdog = run.progress, run.watchdog
+    run.finite.check("the model is not evaluated, no checkpoint is written and the run stops")
     first_compiled = run.cfg.trainer.compile and run.evaluations == 0  # fsdp compiles each block's eval graph now
     with compiling(run, "compiling the evaluation") if first_compiled else contextlib.nullcontext():
         result = evaluate(run.strategy, run.task, eval_source(run), run.device, run.autocast,
@@ -339,7 +344,7 @@ def evaluate_and_save(run: Run, metrics, console) -> dict[str, float]:
     best = progress.best_metric
     is_best = best is None or (value < best if mode == "min" else value > best)
     if is_best:
-        progress.best_metric = value
+        progress.best_metric, progress.best_step = value, progress.step
     progress.eval_step = progress.step
     run.ckpt.saved_step = -1  # a file of this step written before the evaluation would carry a stale best metric
     save_checkpoint(run, is_best, metrics)
@@ -371,7 +376,7 @@ def fit(run: Run) -> Outcome:
     result: dict[str, float] = {}
     stopped = False
     micro_batches = None
-    start = progress.step
+    start, started = progress.step, time.perf_counter()
 
     if progress.step < plan.stop_step and progress.eval_step < progress.step and evaluation_due(run):
         result = evaluate_and_save(run, metrics, console)  # resumed at an epoch end whose evaluation never ran
@@ -389,7 +394,7 @@ def fit(run: Run) -> Outcome:
                 watchdog.phase("the first step") if first else contextlib.nullcontext(), \
                 saved or contextlib.nullcontext(), profiler.step(progress.step + 1):
             train_step(run.strategy, run.task, micro_batches, run.optimizer, run.scheduler, run.scaler, run.autocast,
-                       cfg.trainer, meter)
+                       cfg.trainer, meter, run.finite)
         progress.step += 1
         if progress.step == start + 1:  # this attempt's first step: the optimizer state exists now
             log_memory(run, metrics, console, progress.step, saved.bytes if saved else 0)
@@ -400,11 +405,13 @@ def fit(run: Run) -> Outcome:
             console.print(profiled)
             metrics.note("profile", profiled, progress.step)
         if progress.step % cfg.trainer.log_every == 0:
+            run.finite.check()
             values = {
                 **meter.reduce(plan.global_batch, plan.replicas, loss_copies=run.strategy.layout.tp),
                 "lr": run.scheduler.get_last_lr()[0],
                 "epoch": progress.step / plan.steps_per_epoch,
                 "restarts": restarts,
+                **({"skipped_steps": run.finite.skipped} if run.finite.policy == "skip" else {}),
             }
             if profiler.covers(progress.step - cfg.trainer.log_every, progress.step):
                 values["profiled"] = 1.0  # these steps ran under the profiler: slower, and not a regression
@@ -423,6 +430,7 @@ def fit(run: Run) -> Outcome:
             stopped = True
             break
 
+    run.finite.check()
     run.ckpt.close()  # a save still in flight is finished (and committed) before the run reports its end
     stop.close()
     if forward is not None:
@@ -439,4 +447,22 @@ def fit(run: Run) -> Outcome:
     if not result:
         console.print(f"nothing to do: the run already reached step {progress.step} of {plan.stop_step}")
         return Outcome("complete", progress.step, result)
+    console.print(summary(run, progress.step - start, time.perf_counter() - started, meter.tokens_total))
     return Outcome("finished", progress.step, result)
+
+
+def summary(run: Run, steps: int, seconds: float, tokens: int) -> str:
+    """The line a finished run ends with: how long this attempt took and how fast, the best evaluation and where
+    its checkpoint is."""
+    plan, progress = run.plan, run.progress
+    pace = f"{steps * plan.global_batch / seconds:,.0f} samples/s" if seconds > 0 and steps else "no step taken"
+    if tokens and seconds > 0:  # this rank's tokens, times the replicas reading as many
+        pace += f", {tokens * plan.replicas / seconds:,.0f} tokens/s"
+    text = f"done: step {progress.step} of {plan.stop_step}, {steps} steps in {clock(seconds)} ({pace})"
+    if progress.best_metric is not None:
+        name, _ = monitored(run)
+        value = f"{progress.best_metric:.2%}" if name == "acc" else f"{progress.best_metric:.4g}"
+        best = run.ckpt.directory / (BEST_DIR if run.ckpt.format == "dcp" else BEST)
+        at = f" at step {progress.best_step}" if progress.best_step >= 0 else ""
+        text += f"; best {name} {value}{at}: {best}"
+    return text

@@ -118,7 +118,7 @@ class FSDPStrategy(Strategy):
         self.model.set_requires_gradient_sync(sync)  # FSDP's no_sync: accumulate unsharded, reduce-scatter last
         with self.loss_context():
             with autocast():
-                value = loss(call(self.model, inputs), targets) / self.cfg.accumulate
+                value = loss(call(self.model, inputs), targets)
             value.backward()  # fp16 (a grad scaler) is refused for fsdp before start
         value = value.to_local() if hasattr(value, "to_local") else value  # loss parallel: replicated on the tp group
         return value.detach().float()

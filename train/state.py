@@ -33,6 +33,7 @@ class Progress:
     step: int = 0  # optimizer steps taken
     best_metric: float | None = None  # best value so far of the monitored evaluation metric (for best.pt)
     eval_step: int = -1  # the step of the last evaluation (an epoch end without one is evaluated on resume)
+    best_step: int = -1  # the step whose evaluation was best (-1: none yet, or a checkpoint from before it was kept)
     load_s: float = 0.0  # how long choosing, verifying and loading the checkpoint took (on resume)
 
 
@@ -102,6 +103,7 @@ def build_state(
         "samples_seen": progress.step * plan.global_batch,
         "best_metric": progress.best_metric,
         "eval_step": progress.eval_step,
+        "best_step": progress.best_step,
         "plan": plan.to_dict(),
         "world_size": plan.world_size,
         "global_batch": plan.global_batch,
@@ -196,7 +198,7 @@ def restore_state(
                     "(%.4g now); the run is no longer the one the checkpoint started", "; ".join(changes), step,
                     scheduler.get_last_lr()[0])
     best = state.get("best_metric", state.get("best_acc"))  # files from before checkpoint.monitor: accuracy
-    return Progress(step=step, best_metric=best, eval_step=step if evaluated else -1)
+    return Progress(step=step, best_metric=best, eval_step=step if evaluated else -1, best_step=state.get("best_step", -1))
 
 
 def restore_sharded(state: dict, strategy: Strategy, optimizer: torch.optim.Optimizer, read_tensors) -> None:

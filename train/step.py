@@ -20,7 +20,9 @@ import torch.distributed as dist
 
 from train.config import TrainerConfig
 from train.parallel import Strategy, call_model
+from train.finite import FiniteWatch
 from train.observe.throughput import token_figures
+from train.tasks import weighing
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -131,6 +133,7 @@ class Meter:
         self.steps = 0
         self.data_time = 0.0
         self.tokens = 0
+        self.tokens_total = 0  # this rank's, since the meter started (the run's summary)
         self.forward = forward
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self.restart_clock()
@@ -165,7 +168,8 @@ class Meter:
         dist.all_gather(table, mine)
         loss, step_time, data_time, forward_time, tokens = torch.stack(table).double().cpu().unbind(1)  # a value per rank
         values = {
-            "loss": loss.sum().item() / replicas / loss_copies / max(1, self.steps),  # ranks without a loss add zeros
+            # ranks without a loss add zeros; an interval whose steps were all skipped (trainer.nonfinite) has none
+            **({"loss": loss.sum().item() / replicas / loss_copies / self.steps} if self.steps else {}),
             "samples_per_s": self.timed_steps * global_batch / elapsed,
             # Ranks that read the same batches (a pipeline's stages) count them once.
             **(token_figures(tokens.sum().item() * replicas / len(table) / elapsed, len(table), self.flops_per_token,
@@ -178,6 +182,11 @@ class Meter:
         self.steps = 0
         self.restart_clock()
         return values
+
+    def add(self, step_loss: torch.Tensor) -> None:
+        """One optimizer step's loss (this rank's share of the global mean)."""
+        self.loss_sum += step_loss
+        self.steps += 1
 
 
 def spread(name: str, per_rank: torch.Tensor) -> dict[str, float]:
@@ -195,6 +204,15 @@ def model_call(task):
     return getattr(task, "call", call_model)
 
 
+def global_count(local: torch.Tensor, layout) -> torch.Tensor:
+    """The items that carry a loss in the whole global batch, from this rank's count over its micro-batches: one
+    all-reduce, on the device (no host sync). Every rank adds its count, and the ranks that read the same samples
+    (a tp group, a pipeline's stages) count them once."""
+    total = local.detach().to(torch.float64).reshape(())
+    dist.all_reduce(total)
+    return total / (layout.world_size // layout.dp)
+
+
 def train_step(
     strategy: Strategy,
     task,
@@ -205,23 +223,36 @@ def train_step(
     autocast: Callable[[], contextlib.AbstractContextManager],
     cfg: TrainerConfig,
     meter: Meter,
+    finite: FiniteWatch,
 ) -> None:
-    for micro in range(cfg.accumulate):
-        start = time.perf_counter()
-        inputs, targets = task.split(next(batches))
-        meter.data_time += time.perf_counter() - start
-        meter.tokens += task.tokens(targets) if hasattr(task, "tokens") else 0
+    """The loss of a step is the sum of every counted item's loss over the global batch, divided by their number
+    (train/tasks.py): each micro-batch's summed loss is scaled by replicas / global count, so that the gradients,
+    averaged over replicas and added over micro-batches, are those of the global mean. The micro-batches are read
+    first: their count is needed before the first backward."""
+    start = time.perf_counter()
+    micro_batches = [task.split(next(batches)) for _ in range(cfg.accumulate)]
+    meter.data_time += time.perf_counter() - start
+    count, loss_sum = weighing(task)
+    local = sum(torch.as_tensor(count(targets), device=strategy.device) for _, targets in micro_batches)
+    scale = (strategy.layout.dp / global_count(local, strategy.layout)).float()
+    step_loss = torch.zeros((), device=strategy.device)
+    for micro, (inputs, targets) in enumerate(micro_batches):
+        tokens = task.tokens(targets) if hasattr(task, "tokens") else 0
+        meter.tokens += tokens
+        meter.tokens_total += tokens
         # Gradients are synchronised on the last micro-step only; the others just accumulate locally.
         last = micro == cfg.accumulate - 1
-        meter.loss_sum += strategy.forward_backward(
-            inputs, targets, loss=task.loss, sync=last, autocast=autocast, scaler=scaler, call=model_call(task)
+        step_loss += strategy.forward_backward(
+            inputs, targets, loss=lambda output, targets: loss_sum(output, targets) * scale, sync=last,
+            autocast=autocast, scaler=scaler, call=model_call(task),
         )
-    if cfg.grad_clip > 0:
-        scaler.unscale_(optimizer)
-        strategy.clip_grad_norm(cfg.grad_clip)
-    scaler.step(optimizer)
-    scaler.update()
+    if finite.add(step_loss):
+        meter.add(step_loss)
+        if cfg.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            strategy.clip_grad_norm(cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    meter.steps += 1
     meter.timed_steps += 1

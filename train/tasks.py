@@ -7,7 +7,14 @@ always the same keys in the same order; evaluation adds them over batches and al
 turns the totals into the reported values (accuracy = correct / count, perplexity = exp(loss sum / tokens)).
 The result equals a single process's evaluation of the whole set.
 
-A task is a config node (`task: {_target_: train.tasks.Classification}`): any class with these methods plugs in.
+Training is exact across ranks and micro-batches in the same way: a step's loss is the sum of every counted item's
+loss (a sample, a token that is not ignored) over the whole global batch, divided by how many were counted
+(`train.step`: one all-reduce of the count per step). So padding, masked prompts and a ragged last batch weigh
+the same whether the global batch is split over 2 ranks, over 2 micro-batches or not at all, and the training loss
+means what the evaluation loss means. `count` says what a batch's loss averages over; `loss_sum` is loss x count.
+
+A task is a config node (`task: {_target_: train.tasks.Classification}`): any class with these methods plugs in
+(`loss`, `sums` and `metrics`; `count` and `loss_sum` default to the samples of the batch and loss x count).
 """
 
 from __future__ import annotations
@@ -30,9 +37,19 @@ class Task:
         self.target_key = target_key  # dict batches: what the loss compares the output with
 
     def split(self, batch) -> tuple:
-        """(inputs, targets) of a batch: a pair (tuple or list) as it is, or a dict's two keys."""
+        """(inputs, targets) of a batch: a pair (tuple or list) as it is, or a dict's two keys. A dict without the
+        input key is a Hugging Face style batch ({input_ids, attention_mask, labels}): the targets are its target key
+        (or `labels`) and the model is called with the rest as keywords (train.parallel.call_model)."""
         if isinstance(batch, Mapping):
-            return batch[self.input_key], batch[self.target_key]
+            if self.input_key in batch:
+                return batch[self.input_key], batch[self.target_key]
+            target_key = next((k for k in (self.target_key, "labels") if k in batch), None)
+            if target_key is not None:
+                return {k: v for k, v in batch.items() if k != target_key}, batch[target_key]
+            raise KeyError(
+                f"{type(self).__name__} looks for the targets of a dict batch under task.target_key="
+                f"{self.target_key!r} (or 'labels'); the batch has {sorted(batch)}: set task.target_key to the key "
+                f"that holds them (and task.input_key if the model takes one input).")
         if isinstance(batch, Sequence) and len(batch) == 2:
             return batch[0], batch[1]
         raise TypeError(
@@ -44,6 +61,14 @@ class Task:
     def loss(self, output, targets) -> torch.Tensor:
         """The batch's mean loss, a scalar: what training minimises."""
         raise NotImplementedError
+
+    def count(self, targets) -> torch.Tensor:
+        """How many items the batch's mean loss averages over (a 0-dim tensor): here its samples."""
+        return samples_of(targets)
+
+    def loss_sum(self, output, targets) -> torch.Tensor:
+        """The batch's loss summed over its counted items: what a step adds up before dividing by the global count."""
+        return self.loss(output, targets) * self.count(targets)
 
     def sums(self, output, targets) -> dict[str, torch.Tensor]:
         """The batch's contribution to every metric, as sums (same keys in the same order for every batch)."""
@@ -69,10 +94,13 @@ class Classification(Task):
         self.label_smoothing = label_smoothing
 
     def loss(self, output, targets):
-        return F.cross_entropy(output.float(), targets, label_smoothing=self.label_smoothing)
+        return F.cross_entropy(logits_of(output).float(), targets, label_smoothing=self.label_smoothing)
+
+    def loss_sum(self, output, targets):
+        return F.cross_entropy(logits_of(output).float(), targets, reduction="sum", label_smoothing=self.label_smoothing)
 
     def sums(self, output, targets):
-        output = output.float()
+        output = logits_of(output).float()
         sums = {
             "loss": F.cross_entropy(output, targets, reduction="sum", label_smoothing=self.label_smoothing),
             "correct": (output.argmax(dim=1) == targets).sum(),
@@ -119,11 +147,17 @@ class LanguageModeling(Task):
         self.ignore_index = ignore_index
 
     def _cross_entropy(self, output, targets, reduction: str):
-        return F.cross_entropy(output.float().flatten(0, -2), targets.flatten(), ignore_index=self.ignore_index,
+        return F.cross_entropy(logits_of(output).float().flatten(0, -2), targets.flatten(), ignore_index=self.ignore_index,
                                reduction=reduction)
 
     def loss(self, output, targets):
         return self._cross_entropy(output, targets, "mean")
+
+    def loss_sum(self, output, targets):
+        return self._cross_entropy(output, targets, "sum")
+
+    def count(self, targets):
+        return (targets != self.ignore_index).sum()
 
     def sums(self, output, targets):
         return {
@@ -145,15 +179,20 @@ class ModelLoss(Task):
     (`model(**batch)`) and as positional arguments when it is a tuple or list (`model(*batch)`); the loss is the
     output's `loss` (attribute or key), or the scalar tensor in a tuple output.
 
-    Evaluation weights each batch's loss by what it averages over: the target tokens that count when the batch has
-    `labels_key` (positions equal to `ignore_index` do not; `shift_labels`: the model predicts labels[:, 1:], as
-    Hugging Face causal LMs do), else the batch's samples. `perplexity: true` also reports exp(loss)."""
+    The model's loss is taken as a mean over what its batch counts: the labels that are not `ignore_index` when the
+    batch has `labels_key` (per-token labels (N, T) shifted by one when `shift_labels`: the model predicts
+    labels[:, 1:], as Hugging Face causal LMs do; one label per sample (N,) is never shifted), else the batch's
+    samples. Training and evaluation weigh each batch by that count. `accuracy: true` also reports the accuracy of
+    the output's `logits` against the labels (a classifier's; best.pt then keeps the highest), `perplexity: true`
+    exp(loss)."""
 
     def __init__(self, labels_key: str = "labels", ignore_index: int = -100, shift_labels: bool = True,
-                 perplexity: bool = False):
+                 perplexity: bool = False, accuracy: bool = False):
         super().__init__()
         self.labels_key, self.ignore_index, self.shift_labels = labels_key, ignore_index, shift_labels
-        self.perplexity = perplexity
+        self.perplexity, self.accuracy = perplexity, accuracy
+        if accuracy:
+            self.main_metric, self.mode = "acc", "max"
 
     def split(self, batch) -> tuple:
         return batch, batch  # all of it goes to the model; the batch also says how many targets count
@@ -176,22 +215,81 @@ class ModelLoss(Task):
                 f"in the batch, e.g. labels=...), or use a task that computes it (task=classification, ...).")
         return loss.float()
 
-    def _weight(self, batch) -> torch.Tensor:
+    def _counted_labels(self, batch) -> torch.Tensor | None:
+        """The labels the model's loss averages over (shifted for a causal LM), or None: the batch has none."""
         labels = batch.get(self.labels_key) if isinstance(batch, Mapping) else None
-        if isinstance(labels, torch.Tensor):
-            counted = labels[..., 1:] if self.shift_labels else labels
-            return (counted != self.ignore_index).sum()
-        first = next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0] if isinstance(batch, Sequence) else batch
-        return torch.tensor(len(first), device=first.device)
+        if not isinstance(labels, torch.Tensor):
+            return None
+        return labels[..., 1:] if self.shift_labels and labels.dim() > 1 else labels
+
+    def count(self, batch) -> torch.Tensor:
+        labels = self._counted_labels(batch)
+        return samples_of(batch) if labels is None else (labels != self.ignore_index).sum()
+
+    def loss_sum(self, output, batch) -> torch.Tensor:
+        count = self.count(batch)
+        # A batch whose labels are all ignored adds nothing (the model's mean over no label is NaN).
+        return torch.where(count > 0, self.loss(output, batch), 0.0) * count
 
     def sums(self, output, batch):
-        weight = self._weight(batch)
-        return {"loss": self.loss(output, batch) * weight, "weight": weight.to(torch.float64)}
+        count = self.count(batch)
+        sums = {"loss": self.loss_sum(output, batch), "weight": count.to(torch.float64)}
+        if self.accuracy:
+            labels = self._counted_labels(batch)
+            if labels is None:
+                raise KeyError(f"task.accuracy=true compares the model's logits with the batch's "
+                               f"{self.labels_key!r}, which the batch does not have: set task.labels_key.")
+            logits = logits_of(output)
+            predicted = logits[..., :-1, :] if labels.shape != logits.shape[:-1] else logits  # a shifted LM's
+            counted = labels != self.ignore_index
+            sums["correct"] = ((predicted.argmax(-1) == labels) & counted).sum()
+        return sums
 
     def tokens(self, batch) -> int:
         ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch[0] if isinstance(batch, Sequence) else batch
         return ids.numel() if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else 0
 
     def metrics(self, totals):
-        loss = totals["loss"] / max(totals["weight"], 1)
-        return {"loss": loss, **({"perplexity": math.exp(min(loss, 700.0))} if self.perplexity else {})}
+        weight = max(totals["weight"], 1)
+        loss = totals["loss"] / weight
+        values = {"loss": loss}
+        if self.accuracy:
+            values["acc"] = totals["correct"] / weight
+        if self.perplexity:
+            values["perplexity"] = math.exp(min(loss, 700.0))
+        return values
+
+
+def weighing(task) -> tuple:
+    """(count, loss_sum) of a task: its own, or for a task with only `loss` (a mean over samples), the samples and
+    loss x samples."""
+    count = getattr(task, "count", None) or samples_of
+    loss_sum = getattr(task, "loss_sum", None) or (lambda output, targets: task.loss(output, targets) * count(targets))
+    return count, loss_sum
+
+
+def samples_of(batch) -> torch.Tensor:
+    """The number of samples in a batch (a tensor, a dict or a tuple of them): its first tensor's length."""
+    first = batch
+    while not isinstance(first, torch.Tensor):
+        if isinstance(first, Mapping) and first:
+            first = next(iter(first.values()))
+        elif isinstance(first, Sequence) and first and not isinstance(first, str):
+            first = first[0]
+        else:
+            raise TypeError(f"cannot count the samples of a {type(batch).__name__} batch: give the task a `count`")
+    return torch.tensor(len(first), device=first.device)
+
+
+def logits_of(output) -> torch.Tensor:
+    """A model's scores: the output itself, or its `logits` (a Hugging Face ModelOutput, a dict), or the first tensor
+    of a tuple."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if logits is None and isinstance(output, Sequence):
+        logits = next((o for o in output if isinstance(o, torch.Tensor) and o.dim() > 0), None)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"the model returned a {type(output).__name__} without `logits`: return the scores as a tensor "
+                        f"or under `logits`, or use task=model_loss if the model computes its own loss.")
+    return logits

@@ -6,6 +6,7 @@ Other ranks get a NullConsole. Nothing here touches the device: it only shows nu
 from __future__ import annotations
 
 import sys
+import time
 
 from train.dist import DistEnv
 
@@ -35,6 +36,9 @@ def _format(values: dict[str, float]) -> str:
             continue  # shown below when one rank's forward is slow
         elif key == "acc":
             parts.append(f"acc {value:.2%}")
+        elif key == "skipped_steps":
+            if value:
+                parts.append(f"skipped {value:.0f} steps (not finite)")
         else:
             parts.append(f"{key} {value:.4f}")
     for name in ("step_time", "data_time", "forward_time"):
@@ -45,9 +49,16 @@ def _format(values: dict[str, float]) -> str:
     return "  ".join(parts)
 
 
+def clock(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}"
+
+
 class LinesConsole:
-    def __init__(self, total_steps: int):
+    def __init__(self, total_steps: int, start_step: int = 0):
         self.total = total_steps
+        self.start_step, self.started = start_step, time.monotonic()
 
     def print(self, message: str) -> None:
         print(message, flush=True)
@@ -55,8 +66,16 @@ class LinesConsole:
     def advance(self, step: int) -> None:
         pass
 
+    def eta(self, step: int) -> str:
+        """The time left at the pace of this attempt so far (evaluations and checkpoints included): what a log,
+        a pipe or SLURM's output shows instead of the bar's own estimate."""
+        done = step - self.start_step
+        if done <= 0 or step >= self.total:
+            return ""
+        return f"  ETA {clock((time.monotonic() - self.started) / done * (self.total - step))}"
+
     def show(self, step: int, epoch: int, values: dict[str, float]) -> None:
-        self.print(f"step {step}/{self.total}  epoch {epoch + 1}  {_format(values)}")
+        self.print(f"step {step}/{self.total}  epoch {epoch + 1}  {_format(values)}{self.eta(step)}")
 
     def show_eval(self, step: int, epoch: float, values: dict[str, float]) -> None:
         when = f"after epoch {epoch:.0f}" if epoch == int(epoch) else f"at epoch {epoch:.2f}"
@@ -77,7 +96,7 @@ class BarConsole(LinesConsole):
             TimeRemainingColumn,
         )
 
-        super().__init__(total_steps)
+        super().__init__(total_steps, start_step)
         self.bar = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
@@ -127,4 +146,4 @@ def build_console(env: DistEnv, mode: str, total_steps: int, start_step: int):
         return NullConsole()
     if mode == "bar" or (mode == "auto" and sys.stdout.isatty()):
         return BarConsole(total_steps, start_step)
-    return LinesConsole(total_steps)
+    return LinesConsole(total_steps, start_step)

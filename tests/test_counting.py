@@ -1,0 +1,160 @@
+"""What a loss counts: a step's loss is the mean over every item that carries a loss in the global batch (tokens
+that are not ignored, samples), however the global batch is split over ranks and micro-batches; a model's own loss
+is weighed the same way; a loss that is not finite stops the run before it reaches a checkpoint. Real processes,
+gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAST, REPO, final_checkpoint, read_metrics, run_cli
+from train.tasks import Classification, LanguageModeling, ModelLoss
+
+HF = REPO / "tests" / "foreign" / "huggingface"
+SMALL_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
+# Windows whose first 0..30 targets are a prompt that does not count (tests/foreign/huggingface/text_data.py).
+MASKED = {
+    "model_loss": ["--config-dir", "conf", "+experiment=hf_gpt2", "data.train._target_=text_data.MaskedPrompts"],
+    "language_modeling": ["+experiment=gpt_tiny", "data=tokens", *SMALL_GPT,
+                          "data.train._target_=text_data.MaskedPrompts", "+data.train.format=pairs"],
+}
+
+
+def masked_run(corpus, run_dir, task: str, *overrides: str):
+    base = [*MASKED[task], *FAST, f"data.root={corpus}", "trainer.eval_every=0", "trainer.log_every=2",
+            "trainer.max_steps=4", "optim.lr=0.01", "optim.schedule.warmup_steps=0", "optim.schedule.warmup_epochs=0"]
+    return run_cli("launcher", *base, *overrides, f"hydra.run.dir={run_dir}", cwd=HF)
+
+
+@pytest.mark.parametrize("task", ["model_loss", "language_modeling"])
+def test_a_loss_over_tokens_is_the_same_however_the_global_batch_is_split(corpus, tmp_path, task):
+    """Windows with 1 to 31 counted targets: 2 ranks x 8, 1 x 16 and 1 x 8 with 2 micro-batches reach the same
+    weights and log the same loss. (A mean of per-rank, per-micro-batch means gave each a different gradient.)"""
+    runs = {"1x16": ["trainer.procs_per_node=1", "data.batch_size=16"],
+            "2x8": ["trainer.procs_per_node=2", "data.batch_size=8"],
+            "1x8x2": ["trainer.procs_per_node=1", "data.batch_size=8", "trainer.accumulate=2"]}
+    for name, overrides in runs.items():
+        proc = masked_run(corpus, tmp_path / name, task, *overrides)
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+    one, ddp, accumulated = (final_checkpoint(tmp_path / n)["model"] for n in runs)
+    for name, expected in one.items():
+        torch.testing.assert_close(ddp[name], expected, rtol=1e-5, atol=1e-5, msg=f"2 x 8: {name} differs from 1 x 16")
+        torch.testing.assert_close(accumulated[name], expected, rtol=1e-5, atol=1e-5,
+                                   msg=f"1 x 8 x 2 accumulation: {name} differs from 1 x 16")
+    losses = {n: [r["loss"] for r in read_metrics(tmp_path / n) if r["kind"] == "train"] for n in runs}
+    assert len(losses["1x16"]) == 2
+    for name in ("2x8", "1x8x2"):
+        assert losses[name] == pytest.approx(losses["1x16"], rel=1e-5), f"{name}: another training loss is logged"
+
+
+def test_model_loss_counts_one_label_per_sample_without_a_shift():
+    """A classifier's labels (N,) are not shifted as a causal LM's (N, T) are: a batch of N counts N, not N - 1."""
+    task = ModelLoss()
+    labels = torch.tensor([0, 1, 2, 1])
+    assert task.count({"input_ids": torch.zeros(4, 7, dtype=torch.long), "labels": labels}) == 4
+    tokens = torch.tensor([[5, 6, -100, 7], [-100, -100, 1, 2]])
+    assert task.count({"input_ids": tokens.clamp(min=0), "labels": tokens}) == 4  # labels[:, 1:]: 6, 7 and 1, 2
+    assert ModelLoss(shift_labels=False).count({"labels": tokens}) == 5
+    output = {"loss": torch.tensor(0.5), "logits": torch.tensor([[2.0, 0.0, 0.0], [0.0, 2.0, 0.0], [2.0, 0.0, 0.0],
+                                                                   [0.0, 2.0, 0.0]])}
+    sums = ModelLoss(accuracy=True).sums(output, {"labels": labels})
+    assert sums["weight"] == 4 and sums["correct"] == 3 and sums["loss"] == pytest.approx(2.0)
+    assert ModelLoss(accuracy=True).main_metric == "acc"
+
+
+def test_built_in_tasks_sum_what_they_count():
+    logits = torch.randn(3, 5, 11)
+    targets = torch.tensor([[1, 2, -100, 4, 5], [-100, -100, -100, -100, 3], [0, 1, 2, 3, 4]])
+    task = LanguageModeling()
+    assert task.count(targets) == 10
+    torch.testing.assert_close(task.loss_sum(logits, targets), task.loss(logits, targets) * 10)
+    classes = Classification()
+    scores, labels = torch.randn(6, 4), torch.tensor([0, 3, 1, 2, 2, 0])
+    torch.testing.assert_close(classes.loss_sum(scores, labels), classes.loss(scores, labels) * 6)
+    # A Hugging Face style dict batch: the targets are its labels, the rest goes to the model as keywords.
+    inputs, targets = classes.split({"input_ids": torch.ones(6, 3), "attention_mask": torch.ones(6, 3), "labels": labels})
+    assert sorted(inputs) == ["attention_mask", "input_ids"] and targets is labels
+    assert classes.loss(type("Out", (), {"logits": scores})(), labels) == classes.loss(scores, labels)
+
+
+POISONED = '''
+import os
+
+import torch
+from torch.utils.data import Dataset
+
+
+class Poisoned(Dataset):
+    """y = sum(x) on 8 features; on rank `poison_rank`, the samples of its micro-batch number `batch` (counted from
+    1) hold a NaN: a loss that is not finite at that step, on that rank only."""
+
+    def __init__(self, poison_rank: int = -1, batch: int = 0, batch_size: int = 8):
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(256, 8, generator=generator)
+        self.poisoned = os.environ.get("RANK") == str(poison_rank)
+        self.first, self.last = (batch - 1) * batch_size, batch * batch_size
+        self.served = 0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        x = self.x[index].clone()
+        if self.poisoned and self.first <= self.served < self.last:
+            x[0] = float("nan")
+        self.served += 1
+        return x, x.sum(0, keepdim=True)
+'''
+EXPERIMENT = """# @package _global_
+defaults:
+  - override /model: null
+  - override /data: poisoned
+  - override /task: regression
+name: poisoned
+model: {_target_: torch.nn.Linear, in_features: 8, out_features: 1}
+"""
+DATA = """name: poisoned
+batch_size: 8
+train: {_target_: poisoned.Poisoned, poison_rank: 1, batch: 4, batch_size: 8}
+eval: {_target_: poisoned.Poisoned}
+"""
+
+
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory):
+    project = tmp_path_factory.mktemp("poisoned")
+    (project / "conf" / "experiment").mkdir(parents=True)
+    (project / "conf" / "data").mkdir()
+    (project / "conf" / "data" / "poisoned.yaml").write_text(DATA)
+    (project / "poisoned.py").write_text(POISONED)
+    (project / "conf" / "experiment" / "poisoned.yaml").write_text(EXPERIMENT)
+    return project
+
+
+def poisoned_run(project, run_dir, *overrides: str):
+    return run_cli("launcher", "--config-dir", "conf", "+experiment=poisoned", *FAST, "trainer.procs_per_node=2",
+                   "trainer.max_steps=8", "trainer.log_every=1", "checkpoint.every_steps=2", "optim.lr=0.01",
+                   *overrides, f"hydra.run.dir={run_dir}", cwd=project)
+
+
+def test_a_loss_that_is_not_finite_stops_the_run_naming_the_step_and_rank_and_keeps_the_last_good_checkpoint(
+        poisoned, tmp_path):
+    proc = poisoned_run(poisoned, tmp_path / "run", "launcher.max_restarts=2", "trainer.log_every=3")
+    assert proc.returncode != 0
+    assert "the training loss was not finite (NaN or inf) at step 4, first on rank 1" in proc.stderr
+    assert "restarting the workers" not in proc.stderr  # it would come back at the same step
+    assert proc.stderr.count("Traceback") == 1 and "exit code 65" in proc.stderr  # the cause once, not per rank
+    assert "failed (exitcode" not in proc.stderr  # torch's own repeated lines
+    newest = final_checkpoint(tmp_path / "run")
+    assert newest["step"] == 2  # the save due at step 4 was not written
+    assert all(torch.isfinite(v).all() for v in newest["model"].values())
+
+
+def test_trainer_nonfinite_skip_drops_the_step_and_goes_on(poisoned, tmp_path):
+    proc = poisoned_run(poisoned, tmp_path / "run", "trainer.nonfinite=skip")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = final_checkpoint(tmp_path / "run")
+    assert final["step"] == 8 and all(torch.isfinite(v).all() for v in final["model"].values())
+    skipped = {r["step"]: r["skipped_steps"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"}
+    assert skipped[3] == 0 and skipped[4] == 1 and skipped[8] == 1

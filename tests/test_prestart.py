@@ -1,0 +1,76 @@
+"""Mistakes in the data that a run would find only after start (or never), refused before any process starts with
+the key and the fix: an empty evaluation set, a batch larger than a replica's share, labels the model cannot
+score, samples of different shapes with no collate function. A user's project outside the package."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import FAST, run_cli
+
+VECTORS = '''
+import torch
+from torch.utils.data import Dataset
+
+
+class Vectors(Dataset):
+    """`n` samples of 8 features labelled 0..classes-1 (+ offset); ragged: sample i has i % 5 + 4 features."""
+
+    def __init__(self, n: int = 64, classes: int = 3, offset: int = 0, ragged: bool = False):
+        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
+        self.y = torch.arange(n) % classes + offset
+        self.ragged = ragged
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return (self.x[i, : i % 5 + 4] if self.ragged else self.x[i]), self.y[i]
+'''
+EXPERIMENT = """# @package _global_
+defaults:
+  - override /model: null
+  - override /data: vectors
+name: vectors
+model: {_target_: torch.nn.Linear, in_features: 8, out_features: 3}
+trainer: {procs_per_node: 2, max_steps: 2}
+"""
+DATA = """name: vectors
+batch_size: 8
+train: {_target_: vectors.Vectors, n: 64}
+eval: {_target_: vectors.Vectors, n: 16}
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    project = tmp_path_factory.mktemp("vectors")
+    for group, text in (("experiment", EXPERIMENT), ("data", DATA)):
+        (project / "conf" / group).mkdir(parents=True)
+        (project / "conf" / group / "vectors.yaml").write_text(text)
+    (project / "vectors.py").write_text(VECTORS)
+    return project
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.eval.n=0", "data.eval (vectors.Vectors) holds no sample"),
+    ("data.batch_size=40", "data.batch_size=40 x trainer.accumulate=1 is larger than one replica's share of the "
+                           "training set (32 of 64 samples on 2 replicas)"),
+    ("+data.train.offset=1", "data.train (vectors.Vectors) has label 3, but model._target_=torch.nn.Linear scores 3 "
+                             "classes (labels 0..2)"),
+    ("+data.train.ragged=true", "data.train (vectors.Vectors): its samples have different shapes ((float32[4], int64[]) and "
+                                "(float32[5], int64[])) and data.collate_fn is not set"),
+])
+def test_a_data_mistake_is_refused_before_start(project, tmp_path, override, message):
+    proc = run_cli("launcher", "--config-dir", "conf", "+experiment=vectors", *FAST, override,
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=project, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert "plan:" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_the_same_project_trains_when_nothing_is_wrong(project, tmp_path):
+    proc = run_cli("launcher", "--config-dir", "conf", "+experiment=vectors", *FAST,
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=project, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "done: step 2 of 2" in proc.stdout
