@@ -1,8 +1,13 @@
 """`python -m launcher [overrides]`, or the `ddp-launch` command; see launcher/main.py."""
 
 import gc
+import os
+import sys
+
+from hydra.errors import HydraException
 
 from launcher.main import main
+from launcher.overrides import describe, explain
 from launcher.rundir import register_resolvers
 from launcher.schema import register_configs
 
@@ -13,7 +18,13 @@ def cli() -> None:
     gc.freeze()
     register_configs()
     register_resolvers()
-    main()
+    # Hydra's errors reach us (not only its printed summary) so that an override of a missing key is explained.
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        main()
+    except HydraException as error:  # composition: a missing key, a bad value, a config group that is not there
+        print(f"error: {explain(error) or describe(error)}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -275,3 +275,18 @@ def test_a_snapshot_of_an_earlier_version_still_loads(tmp_path):
     raw["trainer"]["stop_check_every"] = 10
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(raw))
     assert load_config(tmp_path / "config.yaml").trainer.stop_check_s == 5.0
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.stop_check_evry=5", "trainer.stop_check_evry: trainer has no key 'stop_check_evry' (did you mean "
+                                  "trainer.stop_check_s?); its keys are: nodes, gpus,"),
+    ("model.widht=5", "model.widht: model has no key 'widht' (did you mean model.width?); its keys are: _target_, "
+                      "channels, image_size, num_classes, width, dropout. If it is an argument your code takes"),
+    ("trainer.tp_plan={blocks.*.fc1:colwise}", "write '+trainer.tp_plan={blocks.*.fc1: ...}' (quoted for the shell)"),
+])
+def test_a_misspelt_key_is_named_with_the_nodes_keys_and_the_closest(launch, tmp_path, override, message):
+    """Hydra's own message sent the user to add a misspelt key as a new one ("To append to your config use +...")."""
+    proc = launch(override, f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    assert message in proc.stderr and "To append to your config" not in proc.stderr and "Traceback" not in proc.stderr
+    _assert_nothing_started(tmp_path)

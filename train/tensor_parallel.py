@@ -72,7 +72,8 @@ def problems_with(model: nn.Module, plan: dict[str, str], tp: int, sequence_para
     if not plan:
         return [f"trainer.tp={tp}: the model has no tensor-parallel plan (no tensor_parallel_plan() method, no Hugging "
                 f"Face base_model_tp_plan): give one as trainer.tp_plan (module name pattern -> colwise | rowwise, e.g. "
-                f"'trainer.tp_plan={{layers.*.fc1: colwise, layers.*.fc2: rowwise}}'), or use trainer.tp=1."]
+                f"'+trainer.tp_plan={{layers.*.fc1: colwise, layers.*.fc2: rowwise}}': with the +, which adds the keys "
+                f"to the empty plan), or use trainer.tp=1."]
     bad = sorted({s for s in plan.values() if s not in STYLES})
     if bad:
         return [f"trainer.tp_plan: {', '.join(bad)} is not a style: use one of {', '.join(STYLES)}."]
