@@ -68,6 +68,15 @@ def _headline(failure: ProcessFailure) -> str:
     return str(message).strip().splitlines()[-1] if str(message).strip() else ""
 
 
+def failure_headline(failures: dict[int, ProcessFailure]) -> str:
+    """The first failing rank's error on one line ("rank 1 failed, exit code 65: NonFiniteLoss: ..."): what
+    status.json keeps, so that `jobs status` says why a run failed."""
+    causes = sorted(root_causes(failures), key=lambda item: (item[1].timestamp, item[0]))
+    rank, failure = next(((r, f) for r, f in causes if f.message), causes[0])
+    how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    return f"rank {rank} failed, {how}" + (f": {_headline(failure)}" if _headline(failure) else "")
+
+
 def failure_report(failures: dict[int, ProcessFailure]) -> str:
     """Every rank that failed by itself ("rank R failed, ..."), the first one's recorded traceback once, the others'
     errors on one line ("the same error" when it is); ranks the launcher stopped after them, a line each. N ranks

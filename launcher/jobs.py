@@ -19,6 +19,7 @@ from launcher.lease import read_lease
 from launcher.progress import print_progress
 from launcher.slurm import ACTIVE, JOBS_FILE, job_state, recorded_jobs, slurm_folder
 from launcher.sweep import point_dirs
+from train.observe.status import read_status
 
 
 def run_dirs(path: Path) -> list[Path]:
@@ -45,6 +46,9 @@ def status(run_dir: Path) -> int:
     print_progress(directories, title=f"{'sweep' if len(directories) > 1 or directories[0] != run_dir else 'run'} {run_dir}")
     for directory in directories:
         print(f"{directory.name}: {holder(directory)}")
+        ended = read_status(directory)
+        if ended.get("status") == "failed" and ended.get("error"):
+            print(f"{directory.name}: failed: {ended['error']}")
     if not job_ids(run_dir):
         return 0
     print(f"{'job':>10}  {'state':<12} {'elapsed':>10}  nodes")

@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig
 
-from launcher.agent import failure_report, run_agent
+from launcher.agent import failure_headline, failure_report, run_agent
 from launcher.backend import Backend, check_run_dir_free
 from launcher.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.schema import Config
@@ -181,7 +181,7 @@ class Local(Backend):
             launch_local(cfg, run_dir, snapshot)
         except ChildFailedError as error:
             print(f"error: training failed.\n{failure_report(error.failures)}", file=sys.stderr)
-            write_status(run_dir, "failed", error=f"rank {error.get_first_failure()[0]} failed")
+            write_status(run_dir, "failed", error=failure_headline(error.failures))
             return 1
         except SignalException as error:
             print(f"stopped by {error.sigval.name}; the workers were stopped. Run the same command again to resume "

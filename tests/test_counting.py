@@ -148,6 +148,9 @@ def test_a_loss_that_is_not_finite_stops_the_run_naming_the_step_and_rank_and_ke
     assert "failed (exitcode" not in proc.stderr  # torch's own repeated lines
     newest = final_checkpoint(tmp_path / "run")
     assert newest["step"] == 2  # the save due at step 4 was not written
+    status = run_cli("launcher.jobs", "status", str(tmp_path / "run"), cwd=poisoned)
+    assert "exit code 65: NonFiniteLoss: the training loss was not finite (NaN or inf) at step 4, first on rank 1" \
+        in " ".join(status.stdout.split())  # why it failed, in the run's status
     assert all(torch.isfinite(v).all() for v in newest["model"].values())
 
 
