@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import FAST, read_metrics, run_cli
+from conftest import FAST, REPO, read_metrics, run_cli
 from test_config import problems
 from train.layout import Layout, LayoutError, layout_of
 from train.config import TrainerConfig
@@ -153,3 +153,22 @@ def test_a_two_stage_pipeline_copied_sharded_or_split_reaches_one_process(corpus
                     "checkpoint.format=dcp", "data.batch_size=32", "trainer.max_steps=12")
     assert "resumed at step 8" in alone.stdout
     assert_same(weights(tmp_path / "one", 12), weights(tmp_path / "split", 12), "2 pp x 2 tp resumed by 1 process")
+
+
+def test_a_users_own_plan_that_splits_heads_is_refused_by_the_heads_the_model_declares():
+    """nanoGPT's attention (verbatim, tests/foreign/nanogpt) fuses q, k and v in one Linear and declares n_head:
+    3 heads of 8 make 72 output features, which divide by 2, but no rank could hold whole heads (the model's view()
+    would fail inside every rank)."""
+    import importlib.util
+
+    from train.tensor_parallel import problems_with
+
+    spec = importlib.util.spec_from_file_location("nanogpt_model", REPO / "tests" / "foreign" / "nanogpt" / "model.py")
+    nanogpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nanogpt)
+    with torch.device("meta"):
+        model = nanogpt.GPT(nanogpt.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=3, n_embd=24))
+    plan = {"transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise"}
+    [problem] = problems_with(model, plan, tp=2)
+    assert problem.startswith("trainer.tp=2 does not divide the 3 attention heads of transformer.h.0.attn.c_attn (n_head=3)")
+    assert problems_with(model, plan, tp=3) == []

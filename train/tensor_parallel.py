@@ -101,16 +101,38 @@ def problems_with(model: nn.Module, plan: dict[str, str], tp: int, sequence_para
             out.append(f"trainer.tp_plan: {name} is a {type(module).__name__}; only nn.Linear layers split here.")
             continue
         size = module.out_features if style == "colwise" else module.in_features
-        # A projection to attention heads (its module says head_dim) splits by whole heads (key/value heads too).
+        # A projection to attention heads splits by whole heads (key/value heads too): its module says how many
+        # (n_head, num_heads, ...) or how wide one is (head_dim).
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        head_dim = getattr(parent, "head_dim", 0)
-        if style == "colwise" and isinstance(head_dim, int) and head_dim > 0 and (size // head_dim) % tp:
-            out.append(f"trainer.tp={tp} does not divide the {size // head_dim} attention heads of {name}: pick a "
-                       f"divisor of the heads (and of the key/value heads).")
+        heads = heads_of(parent, size)
+        undivided = [n for n in heads.values() if n % tp]
+        if style == "colwise" and undivided:
+            counts = ", ".join(f"{key}={n}" for key, n in heads.items())
+            out.append(f"trainer.tp={tp} does not divide the {undivided[0]} attention heads of {name} ({counts}): "
+                       f"each rank must hold whole heads; pick a divisor of the heads (and of the key/value heads).")
         elif size % tp:
             out.append(f"trainer.tp={tp} does not divide {name}'s {'output' if style == 'colwise' else 'input'} "
                        f"features ({size}): pick a divisor.")
     return out[:3] + ([f"and {len(out) - 3} more like these"] if len(out) > 3 else [])
+
+
+HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_head", "n_kv_heads",
+               "num_key_value_heads", "num_kv_heads")
+
+
+def heads_of(module: nn.Module, features: int) -> dict[str, int]:
+    """The head counts an attention module declares (its own attributes, or its config's), else the heads its
+    `head_dim` makes of `features`; empty when it declares none."""
+    config = getattr(module, "config", None)
+    counts = {}
+    for key in HEAD_COUNTS:
+        value = getattr(module, key, getattr(config, key, None))
+        if isinstance(value, int) and value > 0:
+            counts[key] = value
+    head_dim = getattr(module, "head_dim", 0)
+    if not counts and isinstance(head_dim, int) and head_dim > 0:
+        counts["heads"] = features // head_dim
+    return counts
 
 
 def parallel_style(style: str):
