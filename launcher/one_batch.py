@@ -116,15 +116,31 @@ def check_labels(cfg: Config, task, output, train, problems: list[str]) -> None:
                         f"data.num_classes={high + 1}), or check the data's labels.")
 
 
+def built(cfg: Config, key: str, problems: list[str]):
+    """data.<key> built as the workers will build it; a failure (a missing file, a bad argument value) is a problem
+    naming the key, with the data set's own message (its path kept)."""
+    from train.data import build_dataset
+
+    node = getattr(cfg.data, key)
+    try:
+        return build_dataset(node)
+    except Exception as error:  # noqa: BLE001 (the user's data code: any failure is reported with its type)
+        cause = error.__cause__ or error  # Hydra's instantiate wraps it
+        message = " ".join(str(cause).split())
+        problems.append(f"data.{key} ({node['_target_']}) cannot be built: {type(cause).__name__}: {message[:400]}")
+        return None
+
+
 def check_one_batch(cfg: Config, problems: list[str]) -> None:
     from train.build import build_model, build_task
-    from train.data import build_dataset
     from train.forecast import first_sample, grow
     from train.step import model_call
 
-    train = build_dataset(cfg.data.train)
     before = len(problems)
-    check_data(cfg, train, build_dataset(cfg.data.eval), problems)
+    train, evaluation = (built(cfg, key, problems) for key in ("train", "eval"))
+    if len(problems) > before:
+        return
+    check_data(cfg, train, evaluation, problems)
     if len(problems) > before:
         return
     sample = first_sample(cfg, train)
@@ -159,5 +175,34 @@ def check_one_batch(cfg: Config, problems: list[str]) -> None:
             f"model._target_={cfg.model['_target_']} does not fit the data: on a batch of "
             f"{_shapes(grow(sample, cfg.data.batch_size, meta=True))} "
             f"({_shape_keys(cfg)}) its forward or the task's loss fails with {type(error).__name__}: {message[:400].rstrip('.')}. "
-            f"Make the model's arguments match the data (e.g. its input size), or the data's shape keys match the model."
+            f"{advice(error, message, batch)}".rstrip()
         )
+
+
+def _largest_id(batch) -> int | None:
+    """The largest integer in a batch's integer tensors (token ids, labels): what an embedding is indexed with."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.max()) if batch.numel() and not batch.is_floating_point() and batch.device.type != "meta" else None
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    found = [v for v in (_largest_id(b) for b in values) if v is not None]
+    return max(found) if found else None
+
+
+def advice(error: Exception, message: str, batch) -> str:
+    """What to change, from what failed: a key the batch lacks, a token id beyond a vocabulary, a dtype, a shape."""
+    if isinstance(error, KeyError):
+        key = error.args[0] if error.args else None
+        if not isinstance(key, str) or " " in key:
+            return ""  # the task's own message says what is missing
+        keys = sorted(batch) if isinstance(batch, dict) else None
+        return (f"The batch has no {key!r}{f' (its keys: {keys})' if keys else ''}: set the task's task.input_key / "
+                f"task.target_key to the batch's keys, or return that key from the data set.")
+    if isinstance(error, IndexError) and "index out of range" in message:
+        largest = _largest_id(batch)
+        return (f"An embedding was given an id beyond its table{f' (the batch holds ids up to {largest})' if largest is not None else ''}: "
+                f"make the model's vocabulary (e.g. model.vocab_size) larger than the data's largest token id, or "
+                f"check the data's tokenizer.")
+    if any(hint in message for hint in ("dtype", "scalar type", "Half", "BFloat16", "Long", "Float")):
+        return ("The batch's dtypes do not fit what the model computes with: convert the inputs in the data set "
+                "(e.g. .float() for features, .long() for ids and class labels), or the model.")
+    return "Make the model's arguments match the data (e.g. its input size), or the data's shape keys match the model."

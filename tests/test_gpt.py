@@ -193,3 +193,12 @@ def test_prepare_text_writes_the_files_the_preset_reads(tmp_path):
     assert proc.returncode == 0 and "7,680 training and 2,560 validation tokens" in proc.stdout
     train = np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16)
     assert train[:256].tolist() == list(range(256))  # each byte is its own token
+
+
+def test_a_vocabulary_smaller_than_the_data_is_refused_before_start_naming_it(corpus, tmp_path):
+    """Byte tokens (ids up to 255) into a GPT with 100 embeddings: named as a vocabulary, not as an input size."""
+    proc = run_cli("launcher", *FAST, "+experiment=gpt_tiny", "data=tokens", f"data.root={corpus}", *SMALL_GPT,
+                   "model.vocab_size=100", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 2 and "plan:" not in proc.stdout
+    assert "IndexError: index out of range in self. An embedding was given an id beyond its table (the batch holds " \
+           "ids up to" in proc.stderr and "make the model's vocabulary (e.g. model.vocab_size) larger" in proc.stderr

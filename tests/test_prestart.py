@@ -16,16 +16,20 @@ from torch.utils.data import Dataset
 class Vectors(Dataset):
     """`n` samples of 8 features labelled 0..classes-1 (+ offset); ragged: sample i has i % 5 + 4 features."""
 
-    def __init__(self, n: int = 64, classes: int = 3, offset: int = 0, ragged: bool = False):
-        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
+    def __init__(self, n: int = 64, classes: int = 3, offset: int = 0, ragged: bool = False, dtype: str = "float32",
+                 path: str = "", as_dict: bool = False):
+        if path:
+            open(path).close()  # a file the data set reads: missing, as a user's path may be
+        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n)).to(getattr(torch, dtype))
         self.y = torch.arange(n) % classes + offset
-        self.ragged = ragged
+        self.ragged, self.as_dict = ragged, as_dict
 
     def __len__(self):
         return len(self.y)
 
     def __getitem__(self, i):
-        return (self.x[i, : i % 5 + 4] if self.ragged else self.x[i]), self.y[i]
+        x = self.x[i, : i % 5 + 4] if self.ragged else self.x[i]
+        return {"features": x, "label": self.y[i]} if self.as_dict else (x, self.y[i])
 '''
 EXPERIMENT = """# @package _global_
 defaults:
@@ -60,6 +64,11 @@ def project(tmp_path_factory):
                              "classes (labels 0..2)"),
     ("+data.train.ragged=true", "data.train (vectors.Vectors): its samples have different shapes ((float32[4], int64[]) and "
                                 "(float32[5], int64[])) and data.collate_fn is not set"),
+    ("+data.train.path=/nowhere/features.npy", "data.train (vectors.Vectors) cannot be built: FileNotFoundError: "
+                                               "[Errno 2] No such file or directory: '/nowhere/features.npy'"),
+    ("+data.train.dtype=float64", "The batch's dtypes do not fit what the model computes with: convert the inputs"),
+    ("+data.train.as_dict=true", "looks for the targets of a dict batch under task.target_key='target' (or 'labels'); "
+                                 "the batch has ['features', 'label']"),
 ])
 def test_a_data_mistake_is_refused_before_start(project, tmp_path, override, message):
     proc = run_cli("launcher", "--config-dir", "conf", "+experiment=vectors", *FAST, override,
