@@ -6,6 +6,7 @@ fixes a bad command in one round instead of watching N ranks crash (or hang) one
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -256,6 +257,7 @@ def _check_files(cfg: Config, run_dir: Path, problems: list[str]) -> None:
         prepare(cfg.data)
     except DatasetMissing as error:
         problems.append(str(error))
+    _check_checkpoint_dir(checkpoint_dir(run_dir), problems)
     if not cfg.checkpoint.resume:
         try:
             refuse_fresh_start_over(run_dir)
@@ -264,6 +266,18 @@ def _check_files(cfg: Config, run_dir: Path, problems: list[str]) -> None:
     else:
         _check_same_run(cfg, run_dir, problems)
     _check_init_from(cfg, problems)
+
+
+def _check_checkpoint_dir(directory: Path, problems: list[str]) -> None:
+    """RUN_DIR/checkpoints: a link to scratch space that is not there (not mounted, removed), or a directory this
+    user may not write, is found now, not at the first save."""
+    if directory.is_symlink() and not directory.exists():
+        problems.append(f"{directory} is a link to {os.readlink(directory)}, which does not exist (a file system that is "
+                        f"not mounted here?): create that directory, or remove the link to keep checkpoints in the run "
+                        f"directory.")
+    elif directory.exists() and not os.access(directory, os.W_OK | os.X_OK):
+        problems.append(f"{directory}: this user may not write there (permission denied): give it write access, or "
+                        f"start the run in another directory (hydra.run.dir=...).")
 
 
 def _check_init_from(cfg: Config, problems: list[str]) -> None:

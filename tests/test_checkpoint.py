@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import FAST, REPO
-from train.checkpoint import BEST, CheckpointManager, load, refuse_fresh_start_over, step_file_name
+from train.checkpoint import BEST, CheckpointManager, CheckpointSaveError, load, refuse_fresh_start_over, step_file_name
 from train.config import CheckpointConfig
 
 SMALL = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=2", "trainer.epochs=2"]
@@ -282,3 +282,35 @@ def test_best_is_copied_and_verified_where_hard_links_fail(tmp_path, monkeypatch
     manager.mark_best(3)
     assert os.stat(tmp_path / BEST).st_ino != os.stat(tmp_path / step_file_name(3)).st_ino
     assert load(tmp_path / BEST)["step"] == 3
+
+
+def test_a_save_refused_for_permission_says_permission_not_free_space(tmp_path, monkeypatch):
+    import errno
+
+    import train.checkpoint.io as checkpoint_io
+
+    manager = CheckpointManager(tmp_path, CheckpointConfig(keep_last=2), is_writer=True)
+    manager.save(fake_state(1), 1)
+    real_open = open
+
+    def refusing_open(path, mode="r", *args, **kwargs):  # as a directory whose permissions changed under the run
+        if "w" in mode:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_io, "open", refusing_open, raising=False)
+    with pytest.raises(CheckpointSaveError) as failed:
+        manager.save(fake_state(2), 2)
+    message = str(failed.value)
+    assert "permission denied" in message and "free space" not in message
+    assert f"The previous checkpoint ({step_file_name(1)}) is intact" in message
+
+
+def test_a_dangling_checkpoints_link_is_refused_before_start(launch, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to(tmp_path / "scratch-not-mounted")
+    proc = launch("trainer.max_steps=1", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 2
+    assert f"{run_dir / 'checkpoints'} is a link to {tmp_path / 'scratch-not-mounted'}, which does not exist" in proc.stderr
+    assert "FileExistsError" not in proc.stderr

@@ -11,6 +11,7 @@ stream stopped: its exit ends the others' waits.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import pickle
 from pathlib import Path
@@ -147,7 +148,9 @@ class CheckpointManager:
         except (OSError, RuntimeError) as error:  # DCP's torch.save buries a full disk's OSError in a RuntimeError
             if (cause := os_error(error)) is None:
                 raise
-            raise self._save_failed(CheckpointSaveError(f"could not save {path}: {cause}")) from error
+            failed = CheckpointSaveError(f"could not save {path}: {cause}")
+            failed.__cause__ = cause  # what _save_failed reads the reason from
+            raise self._save_failed(failed) from error
         if self.is_writer:
             self._after_commit(meta["step"], best)
         if dist.is_initialized():
@@ -161,8 +164,8 @@ class CheckpointManager:
     def _save_failed(self, error: CheckpointSaveError) -> CheckpointSaveError:
         previous = self.committed()
         return CheckpointSaveError(
-            f"{error}. The previous checkpoint ({previous[-1].path.name if previous else 'none'}) is intact: free "
-            f"space in {self.directory} and run the same command again to resume from it."
+            f"{error}. The previous checkpoint ({previous[-1].path.name if previous else 'none'}) is intact: "
+            f"{remedy(error.__cause__, self.directory)}, and run the same command again to resume from it."
         )
 
     def mark_best(self, step: int) -> None:
@@ -245,3 +248,15 @@ class CheckpointManager:
         """Read a step directory's tensors into `target` (collective; resharded by DCP)."""
         with self.waiting("waiting for every rank to read the checkpoint"):
             dcp.load_tensors(target, path, self.group, self.watchdog.io)
+
+
+def remedy(cause: BaseException | None, directory: Path) -> str:
+    """What to do about a save that failed with `cause`: the fix its errno names (a full disk is one of several)."""
+    code = getattr(cause, "errno", None)
+    if code in (errno.EACCES, errno.EPERM):
+        return f"this user may not write in {directory} (permission denied): give it write access, or run in another directory"
+    if code == errno.EROFS:
+        return f"{directory} is on a read-only file system: put the run directory on a writable one"
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"free space in {directory} (the disk, the quota or the file size limit is reached)"
+    return f"check that {directory} is writable and has space"
