@@ -25,6 +25,10 @@ TARGETS = {
     "optim.schedule": (True, "schedule"),  # _partial_: called with steps_per_epoch= and total_steps=
 }
 SCHEDULE_ARGS = {"steps_per_epoch": 100, "total_steps": 1000}  # a plausible plan to try a schedule on
+# Targets the trainer calls itself, with what it passes: the config only binds their other arguments (_partial_).
+# A collate target that is a class (Hugging Face's DataCollatorWithPadding) builds the callable: no _partial_ there.
+CALLED_LATER = {"optimizer": "with the parameter groups and lr=", "schedule": "with steps_per_epoch= and total_steps=",
+                "partial": "with each batch's list of samples"}
 PASSED = {"schedule": SCHEDULE_ARGS, "data": {"rank": 0, "world_size": 1}, "tracker": {"run": None}}  # what the trainer adds to the config's
 
 
@@ -101,6 +105,12 @@ def check_target(key: str, node, problems: list[str], call: str = "call") -> Non
     if call == "data" and isinstance(target, type) and issubclass(target, IterableDataset) and not hasattr(target, "__len__"):
         problems.append(f"{key}._target_={node['_target_']} is an IterableDataset without __len__: define __len__ as "
                         f"the number of samples in one epoch, all ranks together (it sets the steps per epoch).")
+    later = CALLED_LATER.get(call)
+    if later and not node.get("_partial_") and (call != "partial" or inspect.isfunction(target)):
+        problems.append(f"{key}._target_={node['_target_']} is called by the trainer later ({later}), so the config "
+                        f"must not call it now: add `_partial_: true` to {key} in your YAML (on the command line "
+                        f"+{key}._partial_=true).")
+        return
     args = {k: v for k, v in node.items() if not k.startswith("_")}
     for name, value in args.items():  # nested targets are built first and passed in: check them too
         if isinstance(value, dict) and "_target_" in value:

@@ -290,3 +290,14 @@ def test_a_misspelt_key_is_named_with_the_nodes_keys_and_the_closest(launch, tmp
     assert proc.returncode == 2
     assert message in proc.stderr and "To append to your config" not in proc.stderr and "Traceback" not in proc.stderr
     _assert_nothing_started(tmp_path)
+
+
+def test_a_target_the_trainer_calls_later_without_partial_is_refused_with_the_fix(tmp_path):
+    """Without _partial_ Hydra calls the optimizer (without parameters) or the collate function (without samples) while
+    building the config: a TypeError in every worker before."""
+    assert "optim.optimizer._target_=torch.optim.SGD is called by the trainer later (with the parameter groups and " \
+           "lr=), so the config must not call it now: add `_partial_: true`" in \
+        problems("~optim.optimizer._partial_", run_dir=tmp_path)
+    assert "data.collate_fn._target_=torch.utils.data.default_collate is called by the trainer later (with each " \
+           "batch's list of samples)" in \
+        problems("+data.collate_fn={_target_: torch.utils.data.default_collate}", run_dir=tmp_path)
