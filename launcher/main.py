@@ -19,7 +19,7 @@ from omegaconf.errors import InterpolationResolutionError
 from launcher.backend import BACKENDS, Backend, get_backend
 from launcher.forecast import dry_run_forecast
 from launcher.lease import RunDirBusy
-from launcher.summary import summary
+from launcher.summary import inherited_values, summary
 from launcher.validate import ConfigError, typed_config, validate
 from train.config import CONFIG_FILE, flatten
 from train.files import replace_text
@@ -62,6 +62,17 @@ def write_hydra_record(run_dir: Path) -> None:
     record.mkdir(exist_ok=True)
     OmegaConf.save(hydra_cfg.overrides.task, record / "overrides.yaml")
     OmegaConf.save(hydra_cfg, record / "hydra.yaml")
+
+
+def users_experiment_inherits(cfg: DictConfig) -> list[str]:
+    """What the user's own experiment (+experiment=X found in their --config-dir, not ours) takes from the default
+    job without saying so (launcher.summary.inherited_values)."""
+    hydra_cfg = HydraConfig.get()
+    name = hydra_cfg.runtime.choices.get("experiment")
+    found = [Path(s.path) / "experiment" / f"{name}.yaml" for s in hydra_cfg.runtime.config_sources
+             if name and s.provider == "command-line" and s.path]
+    experiment = next((f for f in found if f.is_file()), None)
+    return inherited_values(Path(CONF_DIR) / "config.yaml", experiment, list(hydra_cfg.overrides.task), cfg)
 
 
 def launch(cfg: DictConfig, run_dir: Path) -> int:
@@ -113,7 +124,7 @@ def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
     if not changed and read_status(run_dir).get("status") == "finished":
         print(f"{run_dir}: already finished with this config (status.json); nothing to do")
         return 0
-    print(summary(typed, run_dir, changed), flush=True)
+    print(summary(typed, run_dir, changed, users_experiment_inherits(cfg)), flush=True)
     if typed.launcher.dry_run:
         lines, refusal = dry_run_forecast(typed, snapshot)
         print("\n".join(lines), flush=True)

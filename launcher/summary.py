@@ -51,7 +51,7 @@ def _strategy(cfg: Config, world: int) -> str:
     return STRATEGY_NOTES[t.strategy].format(world=world, microbatches=t.microbatches, schedule=t.pipeline_schedule)
 
 
-def summary(cfg: Config, run_dir: Path, changed: list[str]) -> str:
+def summary(cfg: Config, run_dir: Path, changed: list[str], inherited: list[str] = ()) -> str:
     t, o = cfg.trainer, cfg.optim
     world = world_size(cfg)
     batch = global_batch_size(cfg, world)
@@ -73,10 +73,33 @@ def summary(cfg: Config, run_dir: Path, changed: list[str]) -> str:
          else f"{describe_target(cfg.data.train)}, {cfg.data.num_workers} loader worker(s) per process"),
         ("batch", f"{cfg.data.batch_size} per replica x {replicas(cfg, world)} replica(s) x {t.accumulate} accumulation = global batch {batch}"),
         ("optim", f"{str(o.optimizer['_target_']).rsplit('.', 1)[-1]}, lr {lr:.4g}{lr_note}, schedule "
-                  f"{describe_schedule(o.schedule)} over {t.epochs} epochs, precision {t.precision}"),
+                  f"{describe_schedule(o.schedule)} over {t.epochs} epochs, precision {t.precision}"
+                  + (f", gradients clipped at norm {t.grad_clip:g}" if t.grad_clip > 0 else "")),
         ("start", start),
     ]
+    if inherited:
+        rows.append(("inherited", f"from the default job (conf/config.yaml), set neither by your experiment nor on "
+                                  f"the command line: {', '.join(inherited)}; set them to change them"))
     if changed:
         rows.append(("changed", "since the last launch in this run dir: " + "; ".join(changed)))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def inherited_values(default_job: Path, experiment: Path | None, overrides: list[str], cfg) -> list[str]:
+    """KEY=VALUE for each value the default job's config (conf/config.yaml: the digits preset's epochs, processes,
+    lr, clipping, warmup) gives that a user's experiment file does not set and the command line does not override:
+    what such a run silently takes from a preset it never asked for."""
+    from omegaconf import OmegaConf
+
+    from train.config import flatten
+
+    if experiment is None:
+        return []
+    preset = flatten({k: v for k, v in OmegaConf.to_container(OmegaConf.load(default_job)).items()
+                      if k in ("trainer", "optim", "data")})
+    own = flatten(OmegaConf.to_container(OmegaConf.load(experiment)))
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    current = flatten(OmegaConf.to_container(cfg))
+    return [f"{key}={current[key]}" for key in preset
+            if key not in own and key not in given and current.get(key) == preset[key]]
