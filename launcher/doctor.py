@@ -197,6 +197,20 @@ def diagnose(cfg: Config, run_dir: Path) -> list[Finding]:
             *check_run_dir(run_dir, checkpoint_bytes(cfg), cfg.checkpoint.keep_last)]
 
 
+def config_dir_options(args: list[str]) -> tuple[list[str], list[str]]:
+    """(the overrides, the config directories) of a launcher command line: `--config-dir DIR`, `--config-dir=DIR`
+    and `-cd DIR` are the launcher's own options, not overrides."""
+    overrides, dirs, rest = [], [], iter(args)
+    for arg in rest:
+        if arg in ("--config-dir", "-cd"):
+            dirs.append(str(Path(next(rest, ".")).resolve()))
+        elif arg.startswith("--config-dir="):
+            dirs.append(str(Path(arg.split("=", 1)[1]).resolve()))
+        else:
+            overrides.append(arg)
+    return overrides, dirs
+
+
 def main(argv: list[str] | None = None) -> int:
     from hydra import compose, initialize_config_dir
 
@@ -206,11 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.validate import typed_config
     from train.build import add_import_path
 
-    overrides = sys.argv[1:] if argv is None else argv
+    overrides, config_dirs = config_dir_options(sys.argv[1:] if argv is None else argv)
     register_configs()
     register_resolvers()
+    # The user's --config-dir is searched as the launcher searches it (their experiments, their groups).
+    searchpath = [f"hydra.searchpath=[{','.join(f'file://{d}' for d in config_dirs)}]"] if config_dirs else []
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = typed_config(compose(config_name="config", overrides=overrides))
+        cfg = typed_config(compose(config_name="config", overrides=[*searchpath, *overrides]))
     given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
     run_dir = Path(given[-1] if given else f"runs/{cfg.name}/{run_tag(overrides)}").resolve()
     cfg.import_path = [os.getcwd()]

@@ -60,3 +60,12 @@ def test_the_doctor_command_lists_its_findings_and_fails_on_a_problem(tmp_path):
     assert f"hydra.run.dir={tmp_path / 'run'}: " in proc.stdout and "GB free for" in proc.stdout
     fine = run_cli("launcher.doctor", f"hydra.run.dir={tmp_path / 'run'}", cwd=REPO)
     assert fine.returncode == 0 and "doctor: 0 problem(s)" in fine.stdout
+
+
+def test_the_doctor_reads_a_projects_own_config_dir_as_the_launcher_does(tmp_path):
+    """`--config-dir conf +experiment=...` was an override-parse traceback: the doctor takes the launcher's command."""
+    hf = REPO / "tests" / "foreign" / "huggingface"
+    proc = run_cli("launcher.doctor", "--config-dir", "conf", "+experiment=hf_bert_classifier", "trainer.gpus=1",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=hf)
+    assert "Traceback" not in proc.stderr and "doctor: 1 problem(s)" in proc.stdout  # the experiment composed, then judged
+    assert "trainer.gpus=1, but 0 GPU(s) visible" in proc.stdout
