@@ -53,7 +53,8 @@ def describe(figures: dict, cfg: Config) -> str:
     return (f"forecast  rank {figures['rank']} of {figures['world_size']} ({figures['strategy']}, {figures['mesh']}; "
             f"{figures['parameters'] / 1e6:,.1f}M parameters): {parts} = {total(figures) / GB:.2f} GB "
             f"(one micro-batch of {cfg.data.batch_size}, precision {cfg.trainer.precision}"
-            f"{', activation checkpointing' if cfg.trainer.activation_checkpointing else ''})")
+            f"{', activation checkpointing' if cfg.trainer.activation_checkpointing else ''})"
+            + (f"; {figures['activation_note']}" if figures.get("activation_note") else ""))
 
 
 def advice(cfg: Config, figures: dict) -> str:

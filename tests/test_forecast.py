@@ -79,3 +79,15 @@ def test_the_forecast_at_world_size_2_is_what_a_real_2_process_run_measures(tmp_
     assert predicted["optimizer_bytes"] / mb == pytest.approx(measured["rank0_optim_mb"], rel=0.01)
     if strategy == "ddp":  # fsdp's measure also counts the gathered parameters a block keeps for its backward
         assert predicted["activation_bytes"] / mb == pytest.approx(measured["rank0_activation_mb"], rel=0.1)
+
+
+def test_a_hugging_face_encoder_is_forecast_with_its_activations_measured_another_way(tmp_path):
+    """BERT's forward reads a value back (.item()) that the meta device does not have: the forecast measures its
+    activations on the CPU with a real batch instead of giving up on the whole forecast."""
+    proc = run_cli("launcher", "--config-dir", "conf", "+experiment=hf_bert_classifier", "launcher.dry_run=true",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=REPO / "tests" / "foreign" / "huggingface")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "not made" not in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("forecast  rank")]
+    assert len(lines) == 2 and all("activations measured on the CPU (the meta device cannot run the forward: "
+                                   "Tensor.item() cannot be called on meta tensors)" in line for line in lines)

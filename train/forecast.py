@@ -108,15 +108,36 @@ class _FusedAttention(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def activations(cfg: TrainConfig, dataset) -> int:
+# A model whose forward the meta device cannot run (a value read back with .item(), an op without a meta kernel: a
+# Hugging Face encoder's mask handling) is measured for real on the CPU up to this size, else left out with a note.
+REAL_PARAMETERS = 50_000_000
+NOT_ON_META = ("meta", "item()", "data pointer", "is not implemented for")
+
+
+def activations(cfg: TrainConfig, dataset) -> tuple[int, str]:
     """Bytes kept for the backward of one micro-batch, the model whole on the meta device (a forward holds the same
-    activations whether its parameters are sharded or not)."""
+    activations whether its parameters are sharded or not), and a note where they were measured otherwise or not."""
+    try:
+        return _saved_bytes(cfg, meta_batch(cfg, dataset), "meta"), ""
+    except (RuntimeError, NotImplementedError) as error:
+        reason = " ".join(str(error).split())[:160]
+        if not isinstance(error, NotImplementedError) and not any(hint in reason for hint in NOT_ON_META):
+            raise
     with torch.device("meta"):
+        parameters = sum(p.numel() for p in build_model(cfg).parameters())
+    if parameters > REAL_PARAMETERS:
+        return 0, f"activations not measured: the forward cannot run on the meta device ({reason})"
+    batch = grow(first_sample(cfg, dataset), cfg.data.batch_size, meta=False)
+    return _saved_bytes(cfg, batch, "cpu"), f"activations measured on the CPU (the meta device cannot run the forward: {reason})"
+
+
+def _saved_bytes(cfg: TrainConfig, batch, device: str) -> int:
+    with torch.device(device):
         model = build_model(cfg)
     if cfg.trainer.activation_checkpointing:
         checkpoint_blocks(model)
     task = build_task(cfg)
-    inputs, targets = task.split(meta_batch(cfg, dataset))
+    inputs, targets = task.split(batch)
     with SavedActivations(model) as saved, _FusedAttention():
         task.loss(model_call(task)(model, inputs), targets)
     return saved.bytes // 2 if cfg.trainer.precision in ("bf16", "fp16") else saved.bytes
@@ -145,12 +166,14 @@ def forecast(cfg: TrainConfig, rank: int, world: int) -> dict:
         params = sum(local_bytes(p) for p in model.parameters())
         state = optimizer_state_bytes(cfg, model, plan.lr)
         grads = sum(local_bytes(p.grad) for p in model.parameters())
+        activation_bytes, activation_note = activations(cfg, dataset)
         return {
             "rank": rank, "world_size": world, "strategy": cfg.trainer.strategy, "replicas": replicas(cfg, world),
             "global_batch": plan.global_batch, "steps_per_epoch": plan.steps_per_epoch, "total_steps": plan.total_steps,
             "lr": plan.lr, "samples_per_replica": -(-train_size(dataset, cfg) // replicas(cfg, world)),
             "parameters": parameters, "parameter_bytes": params,
-            "gradient_bytes": grads, "optimizer_bytes": state, "activation_bytes": activations(cfg, dataset),
+            "gradient_bytes": grads, "optimizer_bytes": state, "activation_bytes": activation_bytes,
+            "activation_note": activation_note,
             "gathered_bytes": 2 * largest_unit if cfg.trainer.strategy == "fsdp" else 0,
             "mesh": _mesh(cfg, env),
         }
