@@ -81,7 +81,7 @@ def _worker(rank: int, world: int, batch_size: int, lockstep: bool, source: str,
 @pytest.mark.parametrize("source", ["memory", "loader"])
 @pytest.mark.parametrize("world,batch_size,lockstep", [(2, 16, False), (3, 16, False), (3, 11, True)])
 def test_distributed_eval_equals_single_process_eval(tmp_path, world, batch_size, lockstep, source):
-    with mp.Manager() as manager:
+    with mp.get_context("spawn").Manager() as manager:  # started, not forked (see test_scale_costs.spawn_ranks)
         out = manager.dict()
         mp.spawn(_worker, args=(world, batch_size, lockstep, source, str(tmp_path / "store"), out), nprocs=world, join=True)
         results = dict(out)

@@ -66,7 +66,9 @@ def spawn_ranks(worker, world: int, **shared) -> dict:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with mp.Manager() as manager:
+    # The manager's server process is started, not forked: a fork of this test process (its threads, torch's and
+    # earlier tests' gloo state) aborted once while collecting garbage in the child ("Fatal Python error: Aborted").
+    with mp.get_context("spawn").Manager() as manager:
         out = manager.dict(shared)
         mp.spawn(worker, args=(world, port, out), nprocs=world, join=True)
         return dict(out)
