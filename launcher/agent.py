@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
 
 from train.finite import NONFINITE_EXIT_CODE
+from train.observe.watchdog import HANG_EXIT_CODE
 
 # The agent turns these into SignalException and forwards them to the workers, which save and stop.
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
@@ -48,6 +49,8 @@ def describe(failure: ProcessFailure) -> str:
     if isinstance(message, dict):  # written by @record: {"message": "Type: text", "extraInfo": {"py_callstack": ...}}
         trace = message.get("extraInfo", {}).get("py_callstack", "")
         message = f"{message.get('message', '')}\n{trace}".rstrip()
+    elif str(message).startswith(PLACEHOLDER):
+        message = HOW_IT_ENDED.get(failure.exitcode, message)
     return f"{how} (pid {failure.pid}): {message}"
 
 
@@ -65,6 +68,8 @@ def _headline(failure: ProcessFailure) -> str:
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
+    if str(message).startswith(PLACEHOLDER):
+        message = HOW_IT_ENDED.get(failure.exitcode, "")
     return str(message).strip().splitlines()[-1] if str(message).strip() else ""
 
 
@@ -96,6 +101,11 @@ def failure_report(failures: dict[int, ProcessFailure]) -> str:
         if all(rank != r for r, _ in causes):
             lines.append(f"rank {rank}: stopped by the launcher after the failure ({failure.signal_name()})")
     return "\n".join(lines)
+
+
+# torch's message for a rank that recorded no error, and what such a rank meant by its exit code.
+PLACEHOLDER = "To enable traceback"
+HOW_IT_ENDED = {HANG_EXIT_CODE: "no progress within trainer.hang_timeout_s: a hang (its report is in RUN_DIR/hang/)"}
 
 
 def restart_would_repeat(failures: dict[int, ProcessFailure]) -> bool:

@@ -78,7 +78,7 @@ def summary(cfg: Config, run_dir: Path, changed: list[str], inherited: list[str]
         ("start", start),
     ]
     if inherited:
-        rows.append(("inherited", f"from the default job (conf/config.yaml), set neither by your experiment nor on "
+        rows.append(("inherits", f"from the default job (conf/config.yaml), set neither by your experiment nor on "
                                   f"the command line: {', '.join(inherited)}; set them to change them"))
     if changed:
         rows.append(("changed", "since the last launch in this run dir: " + "; ".join(changed)))

@@ -212,3 +212,37 @@ def test_an_image_folder_trains_with_loader_workers(tmp_path):
     assert "ImageFolder" in proc.stdout and "2 loader worker(s) per process" in proc.stdout
     [*_, last] = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"]
     assert last["acc"] > 0.6  # 3 classes: chance is 1/3
+
+
+STUCK_STREAM = '''import os
+import threading
+
+from data import SampleStream
+
+
+class StuckStream(SampleStream):
+    """On rank 1 the loader workers stop answering after 40 samples each: a stream that never makes progress."""
+
+    def __iter__(self):
+        for count, sample in enumerate(super().__iter__()):
+            if self.rank == 1 and self.repeat and count == 40:
+                threading.Event().wait()
+            yield sample
+'''
+
+
+@pytest.mark.alone
+def test_a_stream_whose_loader_workers_stop_answering_is_reported_as_a_hang_with_its_stack(project, tmp_path):
+    """Issue 35, item 11: a loader that makes no progress is a hang named by rank, with where the rank waits (the
+    DataLoader's queue), never a silent wait until a test or a job's time limit."""
+    (project / "stuck_stream.py").write_text(STUCK_STREAM)
+    run_dir = tmp_path / "run"
+    proc = launch_in(project, *STREAM, "data.train._target_=stuck_stream.StuckStream", "trainer.hang_timeout_s=3",
+                     "trainer.max_steps=40", f"hydra.run.dir={run_dir}", timeout=180)
+    assert proc.returncode == 1
+    assert "[rank 1] no progress for" in proc.stderr and "rank 1 failed, exit code 70" in proc.stderr
+    assert "a hang (its report is in RUN_DIR/hang/)" in proc.stderr and "To enable traceback" not in proc.stderr
+    [incident] = [p for p in (run_dir / "hang").iterdir() if p.is_dir()]
+    assert "streams.py" in json.loads((incident / "rank1.json").read_text())["where"]  # waiting for its batches
+    stacks = (incident / "summary.txt").read_text()
+    assert "behind: rank 1" in stacks and "dataloader.py" in stacks  # inside the loader, waiting on its workers

@@ -215,43 +215,48 @@ def bert_run(run_dir, *overrides: str):
 def test_a_hugging_face_classifier_trains_with_yaml_only_and_its_hf_export_loads_with_the_same_accuracy(tmp_path):
     """BertForSequenceClassification on lines of Python's sources (comment / def / other), padded per batch by the
     user's collate function: task=classification reads the output's logits and the batch's labels; task=model_loss
-    with accuracy=true trains on the model's own loss to the same weights. best.pt is chosen by accuracy, exported
-    with --hf and loaded by from_pretrained, which scores the held-out lines as the run did."""
+    with accuracy=true trains on the model's own loss, here under fsdp (sharded checkpoints), to the same weights.
+    best.pt (best/ for the sharded run) is chosen by accuracy, exported with --hf and loaded by from_pretrained,
+    which scores the held-out lines as the run did."""
     import sys
 
     import transformers
 
-    runs = {"classification": [], "model_loss": ["task=model_loss", "+task.accuracy=true"]}
+    runs = {"classification": [], "model_loss": ["task=model_loss", "+task.accuracy=true", "trainer.strategy=fsdp"]}
     for name, overrides in runs.items():
         proc = bert_run(tmp_path / name, *overrides)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
-        assert "best acc" in proc.stdout and "best.pt" in proc.stdout  # the summary line
+        assert "best acc" in proc.stdout and "best" in proc.stdout.splitlines()[-1]  # the summary line
+    assert (tmp_path / "model_loss" / "checkpoints" / "best").is_dir()  # a sharded step directory
     evaluations = {n: [r for r in read_metrics(tmp_path / n) if r["kind"] == "eval"] for n in runs}
     assert len(evaluations["classification"]) == 2 and evaluations["classification"][-1]["acc"] > 0.8
     for a, b in zip(evaluations["classification"], evaluations["model_loss"]):
         assert b["acc"] == pytest.approx(a["acc"], abs=1e-9) and b["loss"] == pytest.approx(a["loss"], rel=1e-4)
     one, other = (final_checkpoint(tmp_path / n)["model"] for n in runs)
     for key, value in one.items():
-        torch.testing.assert_close(other[key], value, **TOLERANCE, msg=f"model_loss: {key} differs from classification")
+        if key.endswith("attention.self.key.bias"):
+            continue  # its gradient is zero in exact arithmetic (softmax ignores it): Adam steps on rounding noise
+        torch.testing.assert_close(other[key], value, **TOLERANCE, msg=f"model_loss under fsdp: {key} differs")
 
-    best = max(evaluations["classification"], key=lambda r: r["acc"])
-    export = run_cli("launcher.export", str(tmp_path / "classification"), "--best", "--hf", str(tmp_path / "hf"), cwd=HF)
-    assert export.returncode == 0, export.stderr
-    assert (tmp_path / "hf" / "config.json").exists() and (tmp_path / "hf" / "model.safetensors").exists()
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
     sys.path.insert(0, str(HF))
     try:
         from text_data import LineKinds, pad_batch
     finally:
         sys.path.remove(str(HF))
     held_out = LineKinds(split="eval")
-    correct = 0
-    with torch.no_grad():
-        for start in range(0, len(held_out), 64):
-            batch = pad_batch([held_out[i] for i in range(start, min(start + 64, len(held_out)))])
-            labels = batch.pop("labels")
-            correct += (model(**batch).logits.argmax(-1) == labels).sum().item()
-    assert correct / len(held_out) == pytest.approx(best["acc"], abs=1e-9)
+    for name in runs:
+        best = max(evaluations[name], key=lambda r: r["acc"])
+        export = run_cli("launcher.export", str(tmp_path / name), "--best", "--hf", str(tmp_path / f"hf-{name}"), cwd=HF)
+        assert export.returncode == 0, export.stderr
+        assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / f"hf-{name}").iterdir()}
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / f"hf-{name}").eval()
+        correct = 0
+        with torch.no_grad():
+            for start in range(0, len(held_out), 64):
+                batch = pad_batch([held_out[i] for i in range(start, min(start + 64, len(held_out)))])
+                labels = batch.pop("labels")
+                correct += (model(**batch).logits.argmax(-1) == labels).sum().item()
+        assert correct / len(held_out) == pytest.approx(best["acc"], abs=1e-9), f"{name}: another accuracy"
 
     cnn = run_cli("launcher", *FAST, "trainer.max_steps=1", "trainer.procs_per_node=1", f"hydra.run.dir={tmp_path / 'cnn'}",
                   cwd=tmp_path)

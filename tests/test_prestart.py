@@ -84,6 +84,6 @@ def test_the_same_project_trains_when_nothing_is_wrong(project, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "done: step 2 of 2" in proc.stdout
     # What the experiment takes from the default job (the digits preset) without saying so, said at start.
-    [inherited] = [line for line in proc.stdout.splitlines() if line.startswith("inherited")]
+    [inherited] = [line for line in proc.stdout.splitlines() if line.startswith("inherits")]
     assert "trainer.epochs=15, trainer.grad_clip=1.0, optim.lr=0.1, optim.schedule.warmup_epochs=1" in inherited
     assert "procs_per_node" not in inherited  # the experiment sets it

@@ -153,10 +153,23 @@ PR_SET_PDEATHSIG = 1
 def die_with_parent() -> None:
     """Under a launcher that sets PARENT_ENV, this process is killed when its parent (the launcher) dies."""
     parent = os.environ.get(PARENT_ENV, "")
-    if not parent.isdigit() or not sys.platform.startswith("linux"):
+    if parent.isdigit():
+        _die_with(int(parent))
+
+
+def die_with_rank(worker_id: int, rank_pid: int) -> None:
+    """A loader worker's init (functools.partial(die_with_rank, rank_pid=os.getpid()) in the rank): the worker is
+    killed when its rank ends. A worker blocked inside the data set's own code (a read that never returns) never
+    reaches the DataLoader's check that its parent lives: it outlived a rank killed as hung, and held the job's
+    output pipes open, so the job never ended for whoever waited on them."""
+    _die_with(rank_pid)
+
+
+def _die_with(parent: int) -> None:
+    if not sys.platform.startswith("linux"):
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != int(parent):  # it died before the prctl took effect
+    if os.getppid() != parent:  # it died before the prctl took effect
         os._exit(1)
 
 

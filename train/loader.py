@@ -13,6 +13,8 @@ stopped and resumed mid-epoch is bitwise the straight one.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import random
 from collections.abc import Iterator
 
@@ -22,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, S
 
 from train.batches import PositionFromStep, _mix_int, eval_share, to_device
 from train.config import DataConfig
+from train.dist import die_with_rank
 
 
 class SeededSamples(Dataset):
@@ -114,7 +117,8 @@ def loader_options(cfg: DataConfig, device: torch.device) -> dict:
                # training's random stream at every epoch start (and differently in a run resumed mid-epoch).
                "generator": torch.Generator().manual_seed(0)}
     if cfg.num_workers > 0:
-        options.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
+        options.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor,
+                       worker_init_fn=functools.partial(die_with_rank, rank_pid=os.getpid()))
     return options
 
 
