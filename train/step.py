@@ -22,7 +22,7 @@ from train.config import TrainerConfig
 from train.parallel import Strategy, call_model
 from train.finite import FiniteWatch
 from train.observe.throughput import token_figures
-from train.tasks import weighing
+from train.tasks import first_tensor as samples_of_batch, weighing
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -232,10 +232,13 @@ def train_step(
     start = time.perf_counter()
     micro_batches = [task.split(next(batches)) for _ in range(cfg.accumulate)]
     meter.data_time += time.perf_counter() - start
-    count, loss_sum = weighing(task)
-    local = sum(torch.as_tensor(count(targets), device=strategy.device) for _, targets in micro_batches)
-    scale = (strategy.layout.dp / global_count(local, strategy.layout)).float()
-    step_loss = torch.zeros((), device=strategy.device)
+    count, loss_sum, by_samples = weighing(task)
+    if by_samples:  # every rank's full batches count alike: no collective, no device tensor (a number)
+        scale = 1.0 / sum(len(samples_of_batch(targets)) for _, targets in micro_batches)
+    else:  # tokens that may be ignored: counted across ranks
+        local = sum(torch.as_tensor(count(targets), device=strategy.device) for _, targets in micro_batches)
+        scale = (strategy.layout.dp / global_count(local, strategy.layout)).float()
+    step_loss = 0.0
     for micro, (inputs, targets) in enumerate(micro_batches):
         tokens = task.tokens(targets) if hasattr(task, "tokens") else 0
         meter.tokens += tokens

@@ -261,15 +261,20 @@ class ModelLoss(Task):
 
 
 def weighing(task) -> tuple:
-    """(count, loss_sum) of a task: its own, or for a task with only `loss` (a mean over samples), the samples and
-    loss x samples."""
+    """(count, loss_sum, by_samples) of a task: its own, or for a task with only `loss` (a mean over samples), the
+    samples and loss x samples. `by_samples`: the task counts samples, so every rank's full batches count alike and
+    the global count needs no collective (training batches are always full: partial ones are dropped)."""
+    by_samples = getattr(type(task), "count", Task.count) is Task.count
     count = getattr(task, "count", None) or samples_of
-    loss_sum = getattr(task, "loss_sum", None) or (lambda output, targets: task.loss(output, targets) * count(targets))
-    return count, loss_sum
+    if getattr(type(task), "loss_sum", Task.loss_sum) is not Task.loss_sum:
+        return count, task.loss_sum, by_samples
+    if by_samples:  # the samples as a number: no device tensor per micro-batch
+        return count, lambda output, targets: task.loss(output, targets) * len(first_tensor(targets)), by_samples
+    return count, lambda output, targets: task.loss(output, targets) * count(targets), by_samples
 
 
-def samples_of(batch) -> torch.Tensor:
-    """The number of samples in a batch (a tensor, a dict or a tuple of them): its first tensor's length."""
+def first_tensor(batch) -> torch.Tensor:
+    """The first tensor of a batch (a tensor, a dict or a tuple of them): its length is the batch's samples."""
     first = batch
     while not isinstance(first, torch.Tensor):
         if isinstance(first, Mapping) and first:
@@ -278,6 +283,12 @@ def samples_of(batch) -> torch.Tensor:
             first = first[0]
         else:
             raise TypeError(f"cannot count the samples of a {type(batch).__name__} batch: give the task a `count`")
+    return first
+
+
+def samples_of(batch) -> torch.Tensor:
+    """The number of samples in a batch, as a 0-dim tensor on its device."""
+    first = first_tensor(batch)
     return torch.tensor(len(first), device=first.device)
 
 
