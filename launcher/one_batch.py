@@ -137,7 +137,9 @@ def check_one_batch(cfg: Config, problems: list[str]) -> None:
     from train.step import model_call
 
     before = len(problems)
-    train, evaluation = (built(cfg, key, problems) for key in ("train", "eval"))
+    train = built(cfg, "train", problems)
+    # The built-in sets are never empty and cost a second build here: only a user's evaluation set is looked at.
+    evaluation = None if str(cfg.data.eval["_target_"]).startswith("train.data.") else built(cfg, "eval", problems)
     if len(problems) > before:
         return
     check_data(cfg, train, evaluation, problems)
