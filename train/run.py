@@ -26,7 +26,7 @@ from train.batches import TrainBatches, eval_batches, stage
 from train.build import add_import_path, build_model, build_optimizer, build_task, checkpoint_blocks
 from train.checkpoint import BEST, BEST_DIR, CheckpointManager, checkpoint_dir, refuse_fresh_start_over
 from train.config import TrainConfig, checkpoint_format, flatten, load_config, to_dict
-from train.observe.console import build_console, clock
+from train.observe.console import build_console, run_summary
 from train.data import Datasets, TensorData, build_datasets
 from train.dist import DistEnv
 from train.evaluate import evaluate
@@ -447,22 +447,8 @@ def fit(run: Run) -> Outcome:
     if not result:
         console.print(f"nothing to do: the run already reached step {progress.step} of {plan.stop_step}")
         return Outcome("complete", progress.step, result)
-    console.print(summary(run, progress.step - start, time.perf_counter() - started, meter.tokens_total))
+    name, _ = monitored(run)
+    best = run.ckpt.directory / (BEST_DIR if run.ckpt.format == "dcp" else BEST)
+    console.print(run_summary(plan, progress, name, best, progress.step - start, time.perf_counter() - started,
+                              meter.tokens_total))
     return Outcome("finished", progress.step, result)
-
-
-def summary(run: Run, steps: int, seconds: float, tokens: int) -> str:
-    """The line a finished run ends with: how long this attempt took and how fast, the best evaluation and where
-    its checkpoint is."""
-    plan, progress = run.plan, run.progress
-    pace = f"{steps * plan.global_batch / seconds:,.0f} samples/s" if seconds > 0 and steps else "no step taken"
-    if tokens and seconds > 0:  # this rank's tokens, times the replicas reading as many
-        pace += f", {tokens * plan.replicas / seconds:,.0f} tokens/s"
-    text = f"done: step {progress.step} of {plan.stop_step}, {steps} steps in {clock(seconds)} ({pace})"
-    if progress.best_metric is not None:
-        name, _ = monitored(run)
-        value = f"{progress.best_metric:.2%}" if name == "acc" else f"{progress.best_metric:.4g}"
-        best = run.ckpt.directory / (BEST_DIR if run.ckpt.format == "dcp" else BEST)
-        at = f" at step {progress.best_step}" if progress.best_step >= 0 else ""
-        text += f"; best {name} {value}{at}: {best}"
-    return text

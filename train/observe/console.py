@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from train.dist import DistEnv
 
@@ -53,6 +54,20 @@ def clock(seconds: float) -> str:
     minutes, seconds = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{seconds:02d}"
+
+
+def run_summary(plan, progress, metric: str, best: Path, steps: int, seconds: float, tokens: int) -> str:
+    """The line a finished run ends with: how long this attempt took and how fast (`tokens`: rank 0's, as many on
+    every replica), the best evaluation of `metric`, its step and where its checkpoint is."""
+    pace = f"{steps * plan.global_batch / seconds:,.0f} samples/s" if seconds > 0 and steps else "no step taken"
+    if tokens and seconds > 0:
+        pace += f", {tokens * plan.replicas / seconds:,.0f} tokens/s"
+    text = f"done: step {progress.step} of {plan.stop_step}, {steps} steps in {clock(seconds)} ({pace})"
+    if progress.best_metric is not None:
+        value = f"{progress.best_metric:.2%}" if metric == "acc" else f"{progress.best_metric:.4g}"
+        at = f" at step {progress.best_step}" if progress.best_step >= 0 else ""
+        text += f"; best {metric} {value}{at}: {best}"
+    return text
 
 
 class LinesConsole:
