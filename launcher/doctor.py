@@ -12,88 +12,19 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import ipaddress
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from launcher.schema import Config
+from launcher.network import Finding, check_network, hosts_rendezvous, port_in_use
+from launcher.schema import CONF_DIR, Config
 
 GB = 2**30
-
-
-@dataclass
-class Finding:
-    problem: bool  # False: a note (what was checked and holds, or what to know)
-    text: str
-
-    def __str__(self) -> str:
-        return f"  {'problem' if self.problem else 'ok     '}  {self.text}"
-
-
-def interfaces() -> dict[str, str]:
-    """This machine's network interfaces and their IPv4 addresses (`ip -o -4 addr`; names only without `ip`)."""
-    try:
-        out = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {name: "" for _, name in socket.if_nameindex()}
-    found = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) >= 4 and parts[2] == "inet":
-            found[parts[1]] = parts[3].split("/")[0]
-    return found
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
-
-
-def check_network(cfg: Config, host: str | None = None) -> list[Finding]:
-    """How the other nodes will reach this one: the host name's address and the socket interfaces."""
-    if cfg.trainer.nodes < 2:
-        return []
-    host = host or socket.gethostname()
-    found = interfaces()
-    external = {name: address for name, address in found.items() if address and not _is_loopback(address)}
-    suggestion = next(iter(external.items()), None)
-    fix = (f"GLOO_SOCKET_IFNAME={suggestion[0]} NCCL_SOCKET_IFNAME={suggestion[0]} (its address: {suggestion[1]})"
-           if suggestion else "GLOO_SOCKET_IFNAME=<the interface of the network between the nodes>")
-    findings = []
-    try:
-        address = socket.gethostbyname(host)
-    except OSError as error:
-        address = ""
-        findings.append(Finding(True, f"the host name {host!r} does not resolve ({error}): the other nodes cannot "
-                                      f"reach this one by it; set {fix}, or fix the name service"))
-    ifnames = {key: os.environ[key] for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if os.environ.get(key)}
-    for key, value in ifnames.items():
-        missing = [name for name in value.lstrip("^=").split(",") if name and name not in found]
-        if missing:
-            findings.append(Finding(True, f"{key}={value}: no interface {', '.join(missing)} here (there are: "
-                                          f"{', '.join(found) or 'none'}); set it to one of them"))
-    if address and _is_loopback(address):
-        if "GLOO_SOCKET_IFNAME" in ifnames and not findings:
-            findings.append(Finding(False, f"the host name {host!r} resolves to {address} (loopback), but "
-                                           f"GLOO_SOCKET_IFNAME={ifnames['GLOO_SOCKET_IFNAME']} picks the interface"))
-        else:
-            findings.append(Finding(True, f"the host name {host!r} resolves to {address}, a loopback address: gloo "
-                                          f"(and NCCL's bootstrap) would offer it to the other nodes, which then "
-                                          f"connect to themselves and hang; set {fix}, or map the name to the node's "
-                                          f"address in /etc/hosts"))
-    elif address:
-        findings.append(Finding(False, f"the host name {host!r} resolves to {address}"))
-    return findings
 
 
 def check_endpoint(cfg: Config) -> list[Finding]:
@@ -106,10 +37,8 @@ def check_endpoint(cfg: Config) -> list[Finding]:
     except OSError as error:
         return [Finding(True, f"launcher.rdzv_endpoint={endpoint}: {host!r} does not resolve ({error}); give the "
                               f"first node's name or address")]
-    from launcher.local import _hosts_rendezvous, _port_in_use
-
-    if _hosts_rendezvous(host):
-        if _port_in_use(int(port)):
+    if hosts_rendezvous(host):
+        if port_in_use(int(port)):
             return [Finding(True, f"launcher.rdzv_endpoint={endpoint}: this node hosts the rendezvous and port {port} "
                                   f"is taken; pick a free port and use it on every node")]
         return [Finding(False, f"launcher.rdzv_endpoint={endpoint}: this node hosts it, port {port} is free")]
@@ -214,7 +143,6 @@ def config_dir_options(args: list[str]) -> tuple[list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     from hydra import compose, initialize_config_dir
 
-    from launcher.main import CONF_DIR
     from launcher.rundir import register_resolvers, run_tag
     from launcher.schema import register_configs
     from launcher.validate import typed_config

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from launcher.local import world_size
 from launcher.schema import Config
+from train.layout import world_size
 
 GB = 2**30
 # Memory of one device by the name torch reports (a substring of it), for a dry run on a machine with the GPU.
@@ -76,7 +76,7 @@ def advice(cfg: Config, figures: dict) -> str:
 
 def dry_run_forecast(cfg: Config, snapshot: Path) -> tuple[list[str], str | None]:
     """Lines to print, and a refusal (None if it fits or no GPU memory is known)."""
-    world = world_size(cfg)
+    world = world_size(cfg.trainer)
     if cfg.trainer.strategy == "pipeline":
         return ["forecast  not made for trainer.strategy=pipeline"], None
     lines, worst = [], None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import ipaddress
 import os
 import signal
 import socket
@@ -28,17 +27,11 @@ from torch.distributed.launcher.api import LaunchConfig
 from launcher.agent import failure_headline, failure_report, run_agent
 from launcher.backend import Backend, check_run_dir_free
 from launcher.lease import LOCK_FILE, Lease, Renewer, flock
+from launcher.network import check_network, hosts_rendezvous, port_in_use
 from launcher.schema import Config
 from train.dist import PARENT_ENV, available_cores
+from train.layout import procs_per_node
 from train.observe.status import write_status
-
-
-def procs_per_node(cfg: Config) -> int:
-    return cfg.trainer.gpus if cfg.trainer.gpus > 0 else cfg.trainer.procs_per_node
-
-
-def world_size(cfg: Config) -> int:
-    return cfg.trainer.nodes * procs_per_node(cfg)
 
 
 def rendezvous_id(cfg: Config | DictConfig, run_dir: Path) -> str:
@@ -50,7 +43,7 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
     return LaunchConfig(
         min_nodes=cfg.trainer.nodes,
         max_nodes=cfg.trainer.nodes,
-        nproc_per_node=procs_per_node(cfg),
+        nproc_per_node=procs_per_node(cfg.trainer),
         run_id=rendezvous_id(cfg, run_dir),
         rdzv_backend="c10d",
         rdzv_endpoint=cfg.launcher.rdzv_endpoint or "localhost:0",
@@ -65,7 +58,7 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
 
 def threads_per_process(cfg: Config) -> int:
     """trainer.threads, or this machine's cores shared among the local processes (as the workers will)."""
-    return cfg.trainer.threads or max(1, available_cores() // procs_per_node(cfg))
+    return cfg.trainer.threads or max(1, available_cores() // procs_per_node(cfg.trainer))
 
 
 def launch_local(cfg: Config, run_dir: Path, snapshot: Path) -> None:
@@ -98,37 +91,6 @@ def hold(run_dir: Path, nodes: int = 1):
         yield
 
 
-def _hosts_rendezvous(host: str) -> bool:
-    """Whether this node is the one the endpoint names, so its launcher will listen there. By name: on a machine
-    that runs several nodes (tests, containers), the other nodes' launchers connect to that port, they do not
-    listen on it, so a taken port is expected there."""
-    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback or _bindable(host)
-    except ValueError:  # a name: another machine's
-        return False
-
-
-def _bindable(address: str) -> bool:
-    try:
-        with socket.socket() as probe:
-            probe.bind((address, 0))  # only addresses of this machine can be bound
-        return True
-    except OSError:
-        return False
-
-
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous store binds
-        try:
-            probe.bind(("", port))
-        except OSError:
-            return True
-    return False
-
-
 def _check_endpoint(cfg: Config, problems: list[str]) -> None:
     endpoint = cfg.launcher.rdzv_endpoint
     if not endpoint:
@@ -136,7 +98,7 @@ def _check_endpoint(cfg: Config, problems: list[str]) -> None:
     host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit():
         problems.append(f"launcher.rdzv_endpoint={endpoint!r} is not HOST:PORT, e.g. node0:29400.")
-    elif _hosts_rendezvous(host) and _port_in_use(int(port)):
+    elif hosts_rendezvous(host) and port_in_use(int(port)):
         problems.append(
             f"launcher.rdzv_endpoint={endpoint}: port {port} is already in use on this machine, which hosts the "
             f"rendezvous (another run, or another program): pick a free port and use it on every node."
@@ -156,7 +118,6 @@ class Local(Backend):
             )
         _check_endpoint(cfg, problems)
         if cfg.trainer.nodes > 1:  # the doctor's network findings, in short: warnings (the nodes may all be here)
-            from launcher.doctor import check_network
 
             for finding in check_network(cfg):
                 if finding.problem:

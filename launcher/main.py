@@ -19,13 +19,13 @@ from omegaconf.errors import InterpolationResolutionError
 from launcher.backend import BACKENDS, Backend, get_backend
 from launcher.forecast import dry_run_forecast
 from launcher.lease import RunDirBusy
+from launcher.schema import CONF_DIR
 from launcher.summary import inherited_values, summary
 from launcher.validate import ConfigError, typed_config, validate
 from train.config import CONFIG_FILE, flatten
 from train.files import replace_text
 from train.observe.status import read_status, write_status
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def write_snapshot(cfg: DictConfig, run_dir: Path) -> tuple[Path, list[str]]:

@@ -60,7 +60,7 @@ def check_data(cfg: Config, train, evaluation, problems: list[str]) -> None:
     different shapes that no collate function pads (two real samples are collated, as the loader will)."""
     from torch.utils.data import IterableDataset, default_collate
 
-    from launcher.local import world_size
+    from train.layout import world_size
     from train.optim import make_plan
 
     if not isinstance(evaluation, IterableDataset) and hasattr(evaluation, "__len__") and len(evaluation) == 0:
@@ -68,7 +68,7 @@ def check_data(cfg: Config, train, evaluation, problems: list[str]) -> None:
                         f"score. Point it at the held-out files (check its path or split), or give it a few samples.")
     if hasattr(train, "__len__"):
         try:
-            make_plan(cfg, world_size(cfg), len(train))
+            make_plan(cfg, world_size(cfg.trainer), len(train))
         except ValueError as error:
             problems.append(str(error))
     if isinstance(train, IterableDataset) or not hasattr(train, "__getitem__") or not hasattr(train, "__len__") \

@@ -7,10 +7,13 @@ command-line override against them: a misspelt key or a wrong type fails at comp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
 from train.config import TrainConfig
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the package's configs (conf/)
 
 
 @dataclass

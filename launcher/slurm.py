@@ -32,10 +32,10 @@ from omegaconf import DictConfig
 
 from launcher.backend import Backend, check_run_dir_free
 from launcher.lease import Lease, Renewer, flock, read_lease, take_lease
-from launcher.local import procs_per_node
 from launcher.schema import Config
 from train.files import replace_text
 from train.observe.status import read_status, write_status
+from train.layout import procs_per_node
 
 JOBS_FILE = "jobs.jsonl"
 ENV_CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -221,7 +221,7 @@ def cpus_per_task(cfg: Config, cpus_per_node: int) -> int:
     which leaves a GPU's data pipeline and every host thread on a single core)."""
     if cfg.launcher.cpus_per_task > 0:
         return cfg.launcher.cpus_per_task
-    return max(1, cpus_per_node // procs_per_node(cfg)) if cpus_per_node else 0
+    return max(1, cpus_per_node // procs_per_node(cfg.trainer)) if cpus_per_node else 0
 
 
 def executor_parameters(cfg: Config, cpus_per_node: int = 0) -> dict:
@@ -229,7 +229,7 @@ def executor_parameters(cfg: Config, cpus_per_node: int = 0) -> dict:
     sbatch = {"signal": f"{s.signal}@{s.signal_delay_s}", "requeue": True, **s.sbatch}
     parameters = dict(
         nodes=cfg.trainer.nodes,
-        ntasks_per_node=procs_per_node(cfg),
+        ntasks_per_node=procs_per_node(cfg.trainer),
         time=s.time_min,
         job_name=cfg.name,
         additional_parameters=sbatch,
@@ -268,7 +268,7 @@ def submit(cfg: Config, run_dir: Path, snapshot: Path):
     executor.update_parameters(**executor_parameters(cfg, node_cpus(cfg.launcher.partition)))
     task = SlurmTask(str(snapshot), cfg.launcher.max_requeues, f"SIG{cfg.launcher.signal}")
     job = executor.submit(task)
-    record = {"job_id": job.job_id, "submitted": time.time(), "nodes": cfg.trainer.nodes, "tasks": procs_per_node(cfg)}
+    record = {"job_id": job.job_id, "submitted": time.time(), "nodes": cfg.trainer.nodes, "tasks": procs_per_node(cfg.trainer)}
     with open(slurm_folder(run_dir) / JOBS_FILE, "a") as f:
         f.write(json.dumps(record) + "\n")
     return job

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launcher.local import procs_per_node, threads_per_process, world_size
+from launcher.local import threads_per_process
 from launcher.schema import Config
-from train.layout import layout_of
+from train.layout import layout_of, procs_per_node, world_size
 from train.checkpoint import checkpoint_dir, committed
 from train.dist import resolve_backend
 from train.optim import global_batch_size, replicas, scaled_lr
@@ -41,7 +41,7 @@ def describe_schedule(node: dict) -> str:
 
 def _strategy(cfg: Config, world: int) -> str:
     t = cfg.trainer
-    layout = layout_of(t, world, procs_per_node(cfg))
+    layout = layout_of(t, world, procs_per_node(cfg.trainer))
     split = f"; each layer split {layout.tp} ways within a tp group (tensor parallel)" if layout.tp > 1 else ""
     if t.strategy == "fsdp" and layout.dp_replicate > 1:
         return (f"fsdp (HSDP): {layout.dp_replicate} copies of the model, each sharded {layout.dp_shard} ways block by "
@@ -53,7 +53,7 @@ def _strategy(cfg: Config, world: int) -> str:
 
 def summary(cfg: Config, run_dir: Path, changed: list[str], inherited: list[str] = ()) -> str:
     t, o = cfg.trainer, cfg.optim
-    world = world_size(cfg)
+    world = world_size(cfg.trainer)
     batch = global_batch_size(cfg, world)
     lr = scaled_lr(o, batch)
     lr_note = f" (linear scaling: {o.lr:g} x {batch}/{o.reference_batch_size})" if o.scale_lr else ""
@@ -64,7 +64,7 @@ def summary(cfg: Config, run_dir: Path, changed: list[str], inherited: list[str]
         start = "fresh start"
     rows = [
         ("run dir", str(run_dir)),
-        ("world", f"{world} processes = {t.nodes} node(s) x {procs_per_node(cfg)}, backend {resolve_backend(t.backend, t.gpus)}"),
+        ("world", f"{world} processes = {t.nodes} node(s) x {procs_per_node(cfg.trainer)}, backend {resolve_backend(t.backend, t.gpus)}"),
         ("strategy", _strategy(cfg, world)),
         ("devices", _devices(cfg)),
         ("model", describe_target(cfg.model)),

@@ -16,7 +16,6 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from launcher.backend import BACKENDS, get_backend
-from launcher.local import procs_per_node, world_size
 from launcher.one_batch import check_one_batch
 from launcher.schema import Config
 from train.checkpoint import checkpoint_dir, committed, refuse_fresh_start_over
@@ -28,7 +27,7 @@ from train.dist import resolve_backend
 from train.finite import POLICIES as NONFINITE_POLICIES
 from train.identity import describe, identity_changes
 from train.weights import misfit, read_weights
-from train.layout import LayoutError, layout_of
+from train.layout import LayoutError, layout_of, procs_per_node, world_size
 from train.models import pipeline_stages
 from train.tensor_parallel import model_plan, problems_with
 from train.parallel import GRAD_COMPRESSIONS, MEMORY_FORMATS
@@ -123,10 +122,10 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
     if t.profile and not (len(t.profile) == 2 and 1 <= t.profile[0] <= t.profile[1]):
         problems.append(f"trainer.profile={list(t.profile)} must be [FIRST,LAST] optimizer steps with 1 <= FIRST <= "
                         f"LAST, e.g. trainer.profile=[10,12] (a few steps after the first, which warm up).")
-    outside = [r for r in t.profile_ranks if not -world_size(cfg) <= r < world_size(cfg)]
+    outside = [r for r in t.profile_ranks if not -world_size(cfg.trainer) <= r < world_size(cfg.trainer)]
     if outside:
-        problems.append(f"trainer.profile_ranks={list(t.profile_ranks)}: {outside} not a rank of the {world_size(cfg)} "
-                        f"processes; name ranks from 0 to {world_size(cfg) - 1} (-1: the last), or [] for rank 0 "
+        problems.append(f"trainer.profile_ranks={list(t.profile_ranks)}: {outside} not a rank of the {world_size(cfg.trainer)} "
+                        f"processes; name ranks from 0 to {world_size(cfg.trainer) - 1} (-1: the last), or [] for rank 0 "
                         f"and the last.")
     if o.lr <= 0:
         problems.append(f"optim.lr={o.lr} must be positive.")
@@ -160,14 +159,14 @@ LOSS_PARALLEL_TASKS = ("train.tasks.LanguageModeling",)
 def _check_tensor_parallel(cfg: Config, problems: list[str], targets_ok: bool) -> None:
     t = cfg.trainer
     try:
-        layout_of(t, world_size(cfg), procs_per_node(cfg))
+        layout_of(t, world_size(cfg.trainer), procs_per_node(cfg.trainer))
     except LayoutError as error:
         problems.append(str(error))
         return
     if t.strategy == "ddp":
         problems.append(f"trainer.tp={t.tp} composes with trainer.strategy=fsdp (FSDP2 shards what each tp rank holds "
                         f"over the other ranks) or pipeline: set trainer.strategy=fsdp; with trainer.fsdp_replicate="
-                        f"{max(1, world_size(cfg) // t.tp)} every copy stays whole, as under ddp.")
+                        f"{max(1, world_size(cfg.trainer) // t.tp)} every copy stays whole, as under ddp.")
     if t.strategy == "pipeline" and (t.sequence_parallel or t.loss_parallel):
         problems.append("trainer.sequence_parallel and trainer.loss_parallel apply under trainer.strategy=fsdp: a "
                         "pipeline's stages pass whole activations. Leave them out.")
@@ -202,9 +201,9 @@ def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
         key = "sequence_parallel" if t.sequence_parallel else "loss_parallel" if t.loss_parallel else "tp_plan"
         problems.append(f"trainer.{key} applies with trainer.tp > 1 only: set trainer.tp, or leave it out.")
     copies = t.fsdp_replicate
-    if copies < 0 or (copies > 0 and world_size(cfg) % copies):
+    if copies < 0 or (copies > 0 and world_size(cfg.trainer) % copies):
         problems.append(f"trainer.fsdp_replicate={copies}: the copies of the sharded model must divide the world size "
-                        f"({world_size(cfg)} processes) evenly: use a divisor of it, or 0 for one copy per node.")
+                        f"({world_size(cfg.trainer)} processes) evenly: use a divisor of it, or 0 for one copy per node.")
     elif copies > 1 and t.strategy != "fsdp":
         problems.append(f"trainer.fsdp_replicate={copies} applies to trainer.strategy=fsdp only: leave it out.")
     if t.fsdp_cpu_offload and (t.strategy != "fsdp" or t.gpus == 0):
@@ -215,7 +214,7 @@ def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
             problems.append(f"{key} applies to trainer.strategy=pipeline only: leave it out.")
         return
     try:
-        world = layout_of(t, world_size(cfg), procs_per_node(cfg)).pp  # the stages (the rest: copies of them)
+        world = layout_of(t, world_size(cfg.trainer), procs_per_node(cfg.trainer)).pp  # the stages (the rest: copies of them)
     except LayoutError as error:
         problems.append(str(error))
         return

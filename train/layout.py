@@ -75,6 +75,16 @@ class Layout:
         return " x ".join(parts) or "1 process"
 
 
+def procs_per_node(trainer) -> int:
+    """Processes on each node: one per GPU (trainer.gpus), or trainer.procs_per_node on CPU."""
+    return trainer.gpus if trainer.gpus > 0 else trainer.procs_per_node
+
+
+def world_size(trainer) -> int:
+    """All the processes of the run: trainer.nodes x procs_per_node."""
+    return trainer.nodes * procs_per_node(trainer)
+
+
 def layout_of(trainer, world_size: int, local_world_size: int) -> Layout:
     """The layout trainer.strategy, trainer.tp and trainer.fsdp_replicate ask for, on `world_size` ranks."""
     tp = trainer.tp
