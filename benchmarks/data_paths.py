@@ -26,7 +26,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from benchmarks.overhead import REPO, machine, run
-from train.data import synthetic
+from train.data.sets import synthetic
 from train.observe.metrics import read_records
 
 

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from train.config import load_config
-from train.data import build_datasets
+from train.data.sets import build_datasets
 from train.build import build_model
 from train.dist import exit_without_finalizing
 

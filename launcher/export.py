@@ -19,7 +19,7 @@ import torch
 from train.build import add_import_path, build_model
 from train.checkpoint import BEST, BEST_DIR, CheckpointDamaged, checkpoint_dir, committed, dcp, dcp_index, load
 from train.config import CONFIG_FILE, load_config
-from train.weights import misfit
+from train.checkpoint.weights import misfit
 
 
 class ExportError(ValueError):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from launcher.schema import Config
-from train.layout import world_size
+from train.parallel.layout import world_size
 
 GB = 2**30
 # Memory of one device by the name torch reports (a substring of it), for a dry run on a machine with the GPU.

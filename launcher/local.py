@@ -30,7 +30,7 @@ from launcher.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.network import check_network, hosts_rendezvous, port_in_use
 from launcher.schema import Config
 from train.dist import PARENT_ENV, available_cores
-from train.layout import procs_per_node
+from train.parallel.layout import procs_per_node
 from train.observe.status import write_status
 
 

@@ -60,7 +60,7 @@ def check_data(cfg: Config, train, evaluation, problems: list[str]) -> None:
     different shapes that no collate function pads (two real samples are collated, as the loader will)."""
     from torch.utils.data import IterableDataset, default_collate
 
-    from train.layout import world_size
+    from train.parallel.layout import world_size
     from train.optim import make_plan
 
     if not isinstance(evaluation, IterableDataset) and hasattr(evaluation, "__len__") and len(evaluation) == 0:
@@ -93,7 +93,7 @@ def check_labels(cfg: Config, task, output, train, problems: list[str]) -> None:
     `targets` list, torchvision's convention), the first LABELS_READ samples' otherwise."""
     from torch.utils.data import default_collate
 
-    from train.data import TensorData
+    from train.data.sets import TensorData
     from train.tasks import Classification, logits_of
 
     if not isinstance(task, Classification):
@@ -119,7 +119,7 @@ def check_labels(cfg: Config, task, output, train, problems: list[str]) -> None:
 def built(cfg: Config, key: str, problems: list[str]):
     """data.<key> built as the workers will build it; a failure (a missing file, a bad argument value) is a problem
     naming the key, with the data set's own message (its path kept)."""
-    from train.data import build_dataset
+    from train.data.sets import build_dataset
 
     node = getattr(cfg.data, key)
     try:
@@ -139,7 +139,7 @@ def check_one_batch(cfg: Config, problems: list[str]) -> None:
     before = len(problems)
     train = built(cfg, "train", problems)
     # The built-in sets are never empty and cost a second build here: only a user's evaluation set is looked at.
-    evaluation = None if str(cfg.data.eval["_target_"]).startswith("train.data.") else built(cfg, "eval", problems)
+    evaluation = None if str(cfg.data.eval["_target_"]).startswith("train.data.sets.") else built(cfg, "eval", problems)
     if len(problems) > before:
         return
     check_data(cfg, train, evaluation, problems)

@@ -35,7 +35,7 @@ from launcher.lease import Lease, Renewer, flock, read_lease, take_lease
 from launcher.schema import Config
 from train.files import replace_text
 from train.observe.status import read_status, write_status
-from train.layout import procs_per_node
+from train.parallel.layout import procs_per_node
 
 JOBS_FILE = "jobs.jsonl"
 ENV_CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

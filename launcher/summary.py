@@ -6,7 +6,7 @@ from pathlib import Path
 
 from launcher.local import threads_per_process
 from launcher.schema import Config
-from train.layout import layout_of, procs_per_node, world_size
+from train.parallel.layout import layout_of, procs_per_node, world_size
 from train.checkpoint import checkpoint_dir, committed
 from train.dist import resolve_backend
 from train.optim import global_batch_size, replicas, scaled_lr
@@ -26,7 +26,7 @@ def _devices(cfg: Config) -> str:
 
 
 def describe_target(node: dict) -> str:
-    """`train.models.cnn(width=32, dropout=0.0)`: the target and the arguments the config gives it, short."""
+    """`train.models.vision.cnn(width=32, dropout=0.0)`: the target and the arguments the config gives it, short."""
     args = ", ".join(f"{k}={v}" for k, v in node.items() if not k.startswith("_") and not isinstance(v, dict))
     return f"{node['_target_']}({args})" if len(args) < 100 else f"{node['_target_']}({args[:97]}...)"
 
@@ -69,7 +69,7 @@ def summary(cfg: Config, run_dir: Path, changed: list[str], inherited: list[str]
         ("devices", _devices(cfg)),
         ("model", describe_target(cfg.model)),
         ("task", describe_target(cfg.task)),
-        ("data", f"{cfg.data.name} {SOURCES.get(cfg.data.name, '')}".rstrip() if str(cfg.data.train["_target_"]).startswith("train.data.")
+        ("data", f"{cfg.data.name} {SOURCES.get(cfg.data.name, '')}".rstrip() if str(cfg.data.train["_target_"]).startswith("train.data.sets.")
          else f"{describe_target(cfg.data.train)}, {cfg.data.num_workers} loader worker(s) per process"),
         ("batch", f"{cfg.data.batch_size} per replica x {replicas(cfg, world)} replica(s) x {t.accumulate} accumulation = global batch {batch}"),
         ("optim", f"{str(o.optimizer['_target_']).rsplit('.', 1)[-1]}, lr {lr:.4g}{lr_note}, schedule "

@@ -22,16 +22,16 @@ from train.checkpoint import checkpoint_dir, committed, refuse_fresh_start_over
 from train.config import CHECKPOINT_FORMATS, CONFIG_FILE, checkpoint_format
 from train.observe.console import PROGRESS_MODES
 from launcher.targets import check_targets
-from train.data import DatasetMissing, prepare
+from train.data.sets import DatasetMissing, prepare
 from train.dist import resolve_backend
 from train.finite import POLICIES as NONFINITE_POLICIES
-from train.identity import describe, identity_changes
-from train.weights import misfit, read_weights
-from train.layout import LayoutError, layout_of, procs_per_node, world_size
-from train.models import pipeline_stages
-from train.tensor_parallel import model_plan, problems_with
-from train.parallel import GRAD_COMPRESSIONS, MEMORY_FORMATS
-from train.strategies import PIPELINE_SCHEDULES, STRATEGIES
+from train.checkpoint.identity import describe, identity_changes
+from train.checkpoint.weights import misfit, read_weights
+from train.parallel.layout import LayoutError, layout_of, procs_per_node, world_size
+from train.models.vision import pipeline_stages
+from train.parallel.tensor_parallel import model_plan, problems_with
+from train.parallel.strategy import GRAD_COMPRESSIONS, MEMORY_FORMATS
+from train.parallel.strategies import PIPELINE_SCHEDULES, STRATEGIES
 
 PRECISIONS = ("32", "bf16", "fp16")
 
@@ -304,7 +304,7 @@ def _check_init_from(cfg: Config, problems: list[str]) -> None:
 
 
 def _check_same_run(cfg: Config, run_dir: Path, problems: list[str]) -> None:
-    """A run directory with checkpoints resumes only the run that wrote them (train/identity.py): the config of the
+    """A run directory with checkpoints resumes only the run that wrote them (train/checkpoint/identity.py): the config of the
     last launch here (RUN_DIR/config.yaml, written only by launches that passed this check) is theirs."""
     previous = run_dir / CONFIG_FILE
     if not previous.exists() or not committed(checkpoint_dir(run_dir)):

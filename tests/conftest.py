@@ -110,7 +110,7 @@ def typed(*overrides: str):
 def corpus(tmp_path_factory):
     """~300 kB of this Python's standard library sources as byte tokens: 270k training tokens, 8.4k windows of 32
     (prepared once for every language-model test)."""
-    from train.prepare_text import prepare, stdlib_sources
+    from train.data.prepare_text import prepare, stdlib_sources
 
     directory = tmp_path_factory.mktemp("tokens")
     prepare(stdlib_sources(300_000), directory)

@@ -26,16 +26,16 @@ def test_every_experiment_composes_into_the_typed_schema(experiment):
     cfg = typed(f"+experiment={experiment}")
     assert isinstance(cfg, Config)
     assert cfg.name == experiment
-    assert cfg.model["_target_"].startswith(("train.models.", "train.gpt.")) and cfg.task["_target_"].startswith("train.tasks.")
+    assert cfg.model["_target_"].startswith(("train.models.vision.", "train.models.gpt.")) and cfg.task["_target_"].startswith("train.tasks.")
 
 
 def test_presets_pick_their_model_and_data():
     resnet = typed("+experiment=resnet18")
-    assert (resnet.model["_target_"], resnet.data.name, resnet.model["width"]) == ("train.models.resnet18", "cifar10", 64)
+    assert (resnet.model["_target_"], resnet.data.name, resnet.model["width"]) == ("train.models.vision.resnet18", "cifar10", 64)
     assert (resnet.model["channels"], resnet.model["image_size"]) == (3, 32)  # from the data's shape
     lenet = typed("+experiment=lenet")
     assert (lenet.model["_target_"], lenet.data.name, lenet.data.train["_target_"]) == (
-        "train.models.lenet", "fashion_mnist", "train.data.fashion_mnist")
+        "train.models.vision.lenet", "fashion_mnist", "train.data.sets.fashion_mnist")
 
 
 def test_the_default_job_is_the_digits_preset_on_two_cpu_processes():
@@ -126,7 +126,7 @@ def test_bad_checkpoint_and_sharding_settings_are_refused_with_the_fix(tmp_path)
 
 def test_a_misspelt_model_argument_is_named_with_the_fix(tmp_path):
     message = problems("+model.widht=8", run_dir=tmp_path)
-    assert "model.widht: train.models.cnn has no argument 'widht' (did you mean model.width?)" in message
+    assert "model.widht: train.models.vision.cnn has no argument 'widht' (did you mean model.width?)" in message
 
 
 def test_a_tracker_is_checked_like_any_target(tmp_path):
@@ -191,7 +191,7 @@ def test_strategy_combinations_are_checked_before_start(tmp_path):
     message = problems("trainer.strategy=pipeline", "trainer.procs_per_node=3", "trainer.microbatches=2", run_dir=tmp_path)
     assert "trainer.pipeline_schedule=1f1b needs at least as many microbatches as stages (3)" in message
     message = problems("trainer.strategy=pipeline", "trainer.procs_per_node=4", run_dir=tmp_path)  # the cnn has 3 blocks
-    assert "model._target_=train.models.cnn declares 3 block(s): use 3 stages or fewer" in message
+    assert "model._target_=train.models.vision.cnn declares 3 block(s): use 3 stages or fewer" in message
     message = problems("trainer.strategy=pipeline", "trainer.procs_per_node=4", "trainer.pp=3", run_dir=tmp_path)
     assert "trainer.pp=3: the pipeline's stages must divide the world size (4 processes): pick a divisor of 4" in message
     validate(typed("trainer.strategy=pipeline", "trainer.procs_per_node=4", "trainer.pp=2", "trainer.microbatches=2"),

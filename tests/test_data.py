@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from train.batches import TrainBatches, augment
+from train.data.in_memory import TrainBatches, augment
 from train.config import DataConfig
-import train.models as models
-from train.data import DatasetMissing, TensorData, check_available, cifar10, digits, fashion_mnist, mnist, read_idx
-from train.models import blocks
+import train.models.vision as models
+from train.data.sets import DatasetMissing, TensorData, check_available, cifar10, digits, fashion_mnist, mnist, read_idx
+from train.models.vision import blocks
 
 
 def write_idx(path, array: np.ndarray, compress: bool) -> None:
@@ -136,7 +136,7 @@ def test_augmentation_hashes_its_seed_on_the_host_with_the_same_numbers(monkeypa
     """No torch.tensor(...) per batch: on a GPU that is a blocking host-to-device copy every step."""
     import random
 
-    import train.batches as batches
+    import train.data.in_memory as batches
 
     values = [0, 1, -5, 2**62, 2**63 - 1, -(2**63)] + [random.Random(1).randrange(-(2**63), 2**63) for _ in range(200)]
     assert batches._mix(torch.tensor(values)).tolist() == [batches._mix_int(v) for v in values]
@@ -165,7 +165,7 @@ def write_image_folder(root, per_class: int = 12):
 
 
 def test_an_image_folder_decodes_classes_from_sub_folders_lazily(tmp_path):
-    from train.images import ImageFolder
+    from train.data.images import ImageFolder
 
     write_image_folder(tmp_path / "train")
     (tmp_path / "train" / "digit1" / "notes.txt").write_text("not an image")
@@ -189,19 +189,19 @@ def test_the_digits_are_scikit_learns_read_without_importing_it():
 
     from sklearn.datasets import load_digits
 
-    from train.data import read_digits
+    from train.data.sets import read_digits
 
     pixels, labels = read_digits()
     digits = load_digits()
     assert (pixels == digits.data).all() and (labels == digits.target).all() and pixels.shape == (1797, 64)
-    check = "import sys; from train.data import read_digits; read_digits(); print('sklearn' in sys.modules)"
+    check = "import sys; from train.data.sets import read_digits; read_digits(); print('sklearn' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
 def test_batches_go_to_the_gpu_through_two_reused_host_buffers():
     """The pinned-copy logic, run on the CPU (unpinned, the same buffers and turns): each batch is copied into one of
     two buffers allocated once, taken in turn, and what comes out is a copy that later batches do not overwrite."""
-    from train.batches import PinnedCopies
+    from train.data.in_memory import PinnedCopies
 
     copies = PinnedCopies(torch.device("cpu"), pin=False)
     outputs, pointers = [], []
@@ -229,7 +229,7 @@ def test_a_launch_that_finds_another_preparing_the_data_waits_and_does_not_write
 
     root = tmp_path / "stdlib"
     root.mkdir()
-    script = f"from train.config import DataConfig; from train.data import prepare; prepare(DataConfig(name='python_stdlib', root={str(root)!r}))"
+    script = f"from train.config import DataConfig; from train.data.sets import prepare; prepare(DataConfig(name='python_stdlib', root={str(root)!r}))"
     with open(root / ".prepare.lock", "a") as first:  # the first launch, tokenizing
         fcntl.flock(first, fcntl.LOCK_EX)
         second = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stderr=subprocess.PIPE, text=True)
@@ -238,7 +238,7 @@ def test_a_launch_that_finds_another_preparing_the_data_waits_and_does_not_write
                               for line in open("/proc/locks").read().splitlines())
         wait_for(lambda: waiting() or second.poll() is not None, timeout=60, what="the second launch to wait")
         assert second.poll() is None, f"it did not wait: {second.stderr.read()[-2000:]}"
-        # the first one's files (meta.json first, the two .bin files last, as train.prepare_text writes them)
+        # the first one's files (meta.json first, the two .bin files last, as train.data.prepare_text writes them)
         (root / "meta.json").write_text(json.dumps({"vocab_size": 256, "dtype": "uint16", "tokenizer": "bytes"}))
         for name in ("val.bin", "train.bin"):
             np.arange(100, dtype=np.uint16).tofile(root / name)

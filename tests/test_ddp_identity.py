@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import FAST, IDENTITY, final_checkpoint, read_metrics
-from train.models import mlp
+from train.models.vision import mlp
 
 @pytest.mark.parametrize("batch,accumulate", [(16, 1), (8, 2)])
 def test_two_processes_match_one_process_with_the_global_batch(launch, tmp_path, one_process_batch_32, batch, accumulate):

@@ -73,7 +73,7 @@ def test_default_job_trains_to_90_percent_with_checkpoints_and_tensorboard(launc
     content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
     assert hparams["plan.global_batch"].number_value == 128 and hparams["plan.lr"].number_value == 0.1
-    assert hparams["model._target_"].string_value == "train.models.cnn"
+    assert hparams["model._target_"].string_value == "train.models.vision.cnn"
 
     # Re-running the same command finds the run finished: nothing started, nothing rewritten.
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"

@@ -12,13 +12,13 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from train.batches import eval_batches
+from train.data.in_memory import eval_batches
 from train.config import DataConfig, TrainerConfig
-from train.data import TensorData
+from train.data.sets import TensorData
 from train.dist import DistEnv, exit_without_finalizing
 from train.evaluate import evaluate
-from train.loader import loader_eval_batches
-from train.parallel import Strategy
+from train.data.loader import loader_eval_batches
+from train.parallel.strategy import Strategy
 from train.tasks import Classification
 
 N = 101  # prime: no world size above 1 divides it
@@ -125,7 +125,7 @@ def lone_process_group():
 
 def test_a_stream_is_evaluated_from_its_start_every_time_and_an_empty_evaluation_says_so():
     """The second evaluation of a stream that keeps its position got no batch and died with KeyError: 'count'."""
-    from train.streams import stream_eval_batches
+    from train.data.streams import stream_eval_batches
 
     data, model = make_case()
     stream, cpu = PositionedStream(data), torch.device("cpu")

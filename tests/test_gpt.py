@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import FAST, REPO, final_checkpoint, read_metrics, run_cli
-from train.gpt import GPT
+from train.models.gpt import GPT
 from train.step import SavedActivations
-from train.tokens import TokenWindows
+from train.data.tokens import TokenWindows
 
 SMALL_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
@@ -104,7 +104,7 @@ def test_gpt_ddp_matches_one_process_and_fsdp_checkpointing_and_compile_match_dd
 def test_a_two_stage_pipeline_of_the_gpt_reaches_one_process(corpus, tmp_path):
     """GPTPipeline: embedding, 2 blocks, head as an nn.Sequential, cut into 2 stages of 2 children each; gradient
     accumulation (2 micro-steps of 2 microbatches) on the pipeline against one process's whole batch."""
-    pipeline = ["model._target_=train.gpt.GPTPipeline", "~model.tie_weights"]
+    pipeline = ["model._target_=train.models.gpt.GPTPipeline", "~model.tie_weights"]
     one = gpt_run(corpus, tmp_path / "one", *pipeline, "trainer.procs_per_node=1", "data.batch_size=32")
     staged = gpt_run(corpus, tmp_path / "staged", *pipeline, "trainer.procs_per_node=2", "trainer.strategy=pipeline",
                      "data.batch_size=16", "trainer.accumulate=2", "trainer.microbatches=2")
@@ -189,7 +189,7 @@ def test_the_tiny_preset_learns_the_python_sources_below_their_unigram_entropy(t
 def test_prepare_text_writes_the_files_the_preset_reads(tmp_path):
     text = tmp_path / "a.txt"
     text.write_bytes(bytes(range(256)) * 40)
-    proc = run_cli("train.prepare_text", str(text), str(tmp_path / "out"), "--val-fraction", "0.25", cwd=REPO)
+    proc = run_cli("train.data.prepare_text", str(text), str(tmp_path / "out"), "--val-fraction", "0.25", cwd=REPO)
     assert proc.returncode == 0 and "7,680 training and 2,560 validation tokens" in proc.stdout
     train = np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16)
     assert train[:256].tolist() == list(range(256))  # each byte is its own token

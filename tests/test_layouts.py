@@ -1,4 +1,4 @@
-"""Parallel layouts on one device mesh (train.layout): tensor parallelism (train.tensor_parallel) splits the GPT 2
+"""Parallel layouts on one device mesh (train.parallel.layout): tensor parallelism (train.parallel.tensor_parallel) splits the GPT 2
 ways by heads and hidden units and reaches one process's weights; composed with FSDP over the other 2 ranks it
 reaches DDP's on 4; its sharded checkpoints resume under another layout; a pipeline of 2 stages copied twice
 reaches one process. Real processes, gloo: DTensor runs on CPU."""
@@ -12,7 +12,7 @@ import torch
 
 from conftest import FAST, REPO, read_metrics, run_cli
 from test_config import problems
-from train.layout import Layout, LayoutError, layout_of
+from train.parallel.layout import Layout, LayoutError, layout_of
 from train.config import TrainerConfig
 
 SMALL_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
@@ -135,7 +135,7 @@ def test_a_two_stage_pipeline_copied_sharded_or_split_reaches_one_process(corpus
     """4 processes as 2 stages x 2: copies of the pipeline (a stage's copies average their gradients), its stages
     sharded over the 2 (FSDP2 per stage), or each stage's layers split 2 ways (tp). Clipping by the norm over both
     stages, each piece counted once."""
-    pipeline = ["model._target_=train.gpt.GPTPipeline", "~model.tie_weights", "trainer.max_steps=8",
+    pipeline = ["model._target_=train.models.gpt.GPTPipeline", "~model.tie_weights", "trainer.max_steps=8",
                 "trainer.procs_per_node=4", "trainer.strategy=pipeline", "trainer.microbatches=2"]
     gpt_run(corpus, tmp_path / "one", *pipeline, "trainer.procs_per_node=1", "trainer.strategy=ddp", "data.batch_size=32",
             "trainer.max_steps=12", "trainer.eval_every_steps=8")
@@ -161,7 +161,7 @@ def test_a_users_own_plan_that_splits_heads_is_refused_by_the_heads_the_model_de
     would fail inside every rank)."""
     import importlib.util
 
-    from train.tensor_parallel import problems_with
+    from train.parallel.tensor_parallel import problems_with
 
     spec = importlib.util.spec_from_file_location("nanogpt_model", REPO / "tests" / "foreign" / "nanogpt" / "model.py")
     nanogpt = importlib.util.module_from_spec(spec)

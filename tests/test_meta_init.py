@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from train.gpt import GPT
-from train.meta_init import Unsupported, build_on_meta, materialise, tied_parameters
-from train.models import mlp
+from train.models.gpt import GPT
+from train.parallel.meta_init import Unsupported, build_on_meta, materialise, tied_parameters
+from train.models.vision import mlp
 
 
 class RandomParameter(nn.Module):
@@ -63,7 +63,7 @@ def test_what_cannot_be_replayed_is_refused_by_name(build, culprit):
 def test_under_cpu_offload_the_shards_are_materialised_on_the_host():
     """FSDP2 refuses offloaded parameters materialised on the GPU: meta init fills them in on the CPU then."""
     from train.config import TrainerConfig
-    from train.sharded import parameter_device
+    from train.parallel.sharded import parameter_device
 
     gpu = torch.device("cuda", 1)
     assert parameter_device(TrainerConfig(fsdp_cpu_offload=True), gpu) == torch.device("cpu")

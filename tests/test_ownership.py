@@ -170,7 +170,7 @@ def test_what_defines_a_run_follows_the_files_the_data_reads_not_how_it_is_batch
     from omegaconf import OmegaConf
 
     from conftest import compose
-    from train.identity import identity_changes
+    from train.checkpoint.identity import identity_changes
 
     def config(*overrides):
         return OmegaConf.to_container(compose("data=tokens", *overrides), resolve=True)

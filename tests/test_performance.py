@@ -55,8 +55,8 @@ def test_bf16_gradient_compression_is_applied_and_stays_close(launch, tmp_path, 
 
 def test_channels_last_is_chosen_for_conv_models_on_gpus_only():
     from train.config import TrainerConfig
-    from train import models
-    from train.parallel import memory_format
+    from train.models import vision as models
+    from train.parallel.strategy import memory_format
 
     cnn = models.cnn(channels=1, image_size=16, num_classes=10, width=4)
     mlp = models.mlp(channels=1, image_size=16, num_classes=10, hidden=[8])

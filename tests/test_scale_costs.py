@@ -16,7 +16,7 @@ import torch
 
 from train.checkpoint import dcp
 from train.checkpoint.manager import CheckpointManager
-from train.state import capture_rng, restore_state
+from train.checkpoint.state import capture_rng, restore_state
 
 
 def crafted_step_directory(directory, world: int):
@@ -155,7 +155,7 @@ def _mesh_worker(rank: int, world: int, port: int, out) -> None:
     import torch.distributed as dist
 
     from train.dist import CONTROL_TIMEOUT, every_group, exit_without_finalizing, patient, side_store, timeout_of
-    from train.layout import Layout
+    from train.parallel.layout import Layout
     from train.observe.hang import HangReports, collectives_done
 
     join_group(rank, world, port, timeout_s=7)
@@ -286,9 +286,9 @@ def _loss_parallel_eval(rank: int, world: int, port: int, out) -> None:
     from train.config import TrainerConfig
     from train.dist import DistEnv, exit_without_finalizing
     from train.evaluate import evaluate
-    from train.gpt import GPT
-    from train.parallel import Strategy
-    from train.strategies import build_strategy
+    from train.models.gpt import GPT
+    from train.parallel.strategy import Strategy
+    from train.parallel.strategies import build_strategy
     from train.tasks import LanguageModeling
 
     join_group(rank, world, port)
@@ -327,10 +327,10 @@ def _materialise_worker(rank: int, world: int, port: int, out) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    import train.meta_init as meta_init
+    import train.parallel.meta_init as meta_init
     from train.dist import exit_without_finalizing
-    from train.gpt import GPT
-    from train.layout import Layout
+    from train.models.gpt import GPT
+    from train.parallel.layout import Layout
 
     join_group(rank, world, port)
 

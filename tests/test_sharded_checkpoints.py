@@ -128,7 +128,7 @@ def test_sigkill_during_an_asynchronous_save_resumes_from_the_previous_commit_bi
 def test_export_of_a_sharded_run_loads_strictly_and_evaluates_as_the_run_did(straight, tmp_path):
     from train.build import build_model, build_task
     from train.config import load_config
-    from train.data import build_datasets
+    from train.data.sets import build_datasets
 
     out = tmp_path / "model.pt"
     proc = run_cli("launcher.export", str(straight), "--out", str(out), cwd=tmp_path)

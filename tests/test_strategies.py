@@ -10,7 +10,7 @@ import torch
 from conftest import IDENTITY, final_checkpoint, read_metrics
 from train.checkpoint import dcp
 from train.checkpoint import committed
-from train.models import mlp
+from train.models.vision import mlp
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -107,13 +107,13 @@ def test_a_model_without_enough_split_points_is_refused_before_start(launch, tmp
     proc = launch(*IDENTITY, "trainer.strategy=pipeline", "trainer.procs_per_node=2", "model.hidden=[]",
                   f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2
-    assert "model._target_=train.models.mlp declares 1 block(s)" in proc.stderr and "more model.hidden layers" in proc.stderr
+    assert "model._target_=train.models.vision.mlp declares 1 block(s)" in proc.stderr and "more model.hidden layers" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()  # no worker ever started
 
 
 def test_the_launcher_knows_the_pipeline_schedules_the_trainer_has():
-    from train.pipeline import SCHEDULES
-    from train.strategies import PIPELINE_SCHEDULES
+    from train.parallel.pipeline import SCHEDULES
+    from train.parallel.strategies import PIPELINE_SCHEDULES
 
     assert set(PIPELINE_SCHEDULES) == set(SCHEDULES)
 

@@ -56,10 +56,10 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> torch.opti
 
 
 def checkpoint_blocks(model: nn.Module) -> None:
-    """trainer.activation_checkpointing: each block (train.models.blocks) keeps only its input for the backward
+    """trainer.activation_checkpointing: each block (train.models.vision.blocks) keeps only its input for the backward
     and recomputes its activations there (torch.utils.checkpoint, non-reentrant: the same random numbers, so the
     same loss and gradients). Wrapped in place, before any strategy: parameter names and checkpoints unchanged."""
-    from train.models import blocks
+    from train.models.vision import blocks
 
     for block in blocks(model):
         block.forward = functools.partial(_recomputed, block.forward)
@@ -69,7 +69,7 @@ def compile_blocks(model: nn.Module) -> None:
     """trainer.compile under fsdp: each block's forward compiled on its own (as torchtitan does), so FSDP's
     gathers and frees, hooked around each block, stay outside the compiled graphs. After checkpoint_blocks: a
     checkpointed block compiles with its recomputation."""
-    from train.models import blocks
+    from train.models.vision import blocks
 
     for block in blocks(model):
         block.forward = torch.compile(block.forward)

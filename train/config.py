@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 @dataclass
 class DataConfig:
     # The data sets: nodes with a _target_ that builds them (any map-style torch Dataset, or the built-in
-    # in-memory sets of train.data). conf/data/*.yaml fill them.
+    # in-memory sets of train.data.sets). conf/data/*.yaml fill them.
     train: Any = None  # the training set
     eval: Any = None  # the evaluation set
     batch_size: int = 64  # samples per process per micro-step (global batch = this x world size x accumulate)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from train.dist import first_given
-from train.parallel import Strategy
+from train.parallel.strategy import Strategy
 from train.step import model_call
 
 

@@ -30,9 +30,9 @@ from torch import nn
 from train.build import add_import_path, build_model, build_optimizer, build_task, checkpoint_blocks, instantiate
 from train.config import TrainConfig, load_config
 from train.dist import DistEnv
-from train.layout import layout_of
-from train.data import build_dataset
-from train.parallel import local_bytes
+from train.parallel.layout import layout_of
+from train.data.sets import build_dataset
+from train.parallel.strategy import local_bytes
 from train.optim import make_plan, replica_rank, replicas, train_size
 from train.step import SavedActivations, model_call
 
@@ -54,7 +54,7 @@ def first_sample(cfg: TrainConfig, dataset):
     iterable data set is not started for this)."""
     from torch.utils.data import IterableDataset, default_collate
 
-    from train.data import TensorData
+    from train.data.sets import TensorData
 
     if isinstance(dataset, TensorData):  # a built-in set, served from memory as (normalised images, labels)
         return dataset.images[:1].float(), dataset.labels[:1]
@@ -146,8 +146,8 @@ def _saved_bytes(cfg: TrainConfig, batch, device: str) -> int:
 def forecast(cfg: TrainConfig, rank: int, world: int) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from train.sharded import shard_units
-    from train.strategies import build_strategy
+    from train.parallel.sharded import shard_units
+    from train.parallel.strategies import build_strategy
 
     per_node = cfg.trainer.gpus or cfg.trainer.procs_per_node
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
@@ -195,7 +195,7 @@ def largest_gathered(cfg: TrainConfig, units: list[nn.Module]) -> int:
 
 
 def _mesh(cfg: TrainConfig, env: DistEnv) -> str:
-    """The device mesh in words (train.layout): e.g. 64 dp_shard x 8 tp."""
+    """The device mesh in words (train.parallel.layout): e.g. 64 dp_shard x 8 tp."""
     return layout_of(cfg.trainer, env.world_size, env.local_world_size).describe()
 
 

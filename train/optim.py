@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from train.layout import layout_of
+from train.parallel.layout import layout_of
 from train.config import OptimConfig, TrainConfig
 
 

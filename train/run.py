@@ -22,32 +22,32 @@ import torch
 from torch.utils.data import IterableDataset
 
 from train import dist as distributed
-from train.batches import TrainBatches, eval_batches, stage
+from train.data.in_memory import TrainBatches, eval_batches, stage
 from train.build import add_import_path, build_model, build_optimizer, build_task, checkpoint_blocks
 from train.checkpoint import BEST, BEST_DIR, CheckpointManager, checkpoint_dir, refuse_fresh_start_over
 from train.config import TrainConfig, checkpoint_format, flatten, load_config, to_dict
 from train.observe.console import build_console, run_summary
-from train.data import Datasets, TensorData, build_datasets
+from train.data.sets import Datasets, TensorData, build_datasets
 from train.dist import DistEnv
 from train.evaluate import evaluate
 from train.finite import FiniteWatch
 from train.host import freeze_imported_objects, keep_freed_memory
-from train.identity import run_identity
+from train.checkpoint.identity import run_identity
 from train.observe.hang import HangReports, flight_recorder_env
 from train.observe.memory import log_memory
 from train.observe.startup import report_startup
 from train.observe.metrics import build_metrics
 from train.observe.profile import build_profiler
 from train.observe.trackers import TrackedRun
-from train.weights import read_weights
-from train.meta_init import Unsupported, build_on_meta, materialise
-from train.loader import LoaderBatches, loader_eval_batches
+from train.checkpoint.weights import read_weights
+from train.parallel.meta_init import Unsupported, build_on_meta, materialise
+from train.data.loader import LoaderBatches, loader_eval_batches
 from train.optim import Plan, build_scheduler, make_plan, replica_rank, replicas, schedule_warning, train_size
-from train.streams import StreamBatches, stream_eval_batches
+from train.data.streams import StreamBatches, stream_eval_batches
 from train.observe.throughput import flops_per_token, peak_tflops
-from train.parallel import Strategy, memory_format, place
-from train.strategies import build_strategy
-from train.state import Progress, build_state, own_state, restore_state, seed_rank, sharded_parts
+from train.parallel.strategy import Strategy, memory_format, place
+from train.parallel.strategies import build_strategy
+from train.checkpoint.state import Progress, build_state, own_state, restore_state, seed_rank, sharded_parts
 from train.observe.status import write_status
 from train.step import (ForwardClock, Meter, SavedActivations, build_autocast, set_matmul_precision, train_step,
                         uses_tf32)
@@ -207,7 +207,7 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
 
 def build_initial_model(cfg: TrainConfig):
     """The model with the same initial weights on every rank: built whole, or under fsdp with trainer.meta_init on
-    the meta device, with the recipes that give each rank its shards once sharded (train/meta_init.py)."""
+    the meta device, with the recipes that give each rank its shards once sharded (train/parallel/meta_init.py)."""
     torch.manual_seed(cfg.trainer.seed)
     if cfg.trainer.strategy == "fsdp" and cfg.trainer.meta_init:
         from hydra.utils import get_object

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from train.config import TrainerConfig
-from train.parallel import Strategy, call_model
+from train.parallel.strategy import Strategy, call_model
 from train.finite import FiniteWatch
 from train.observe.throughput import token_figures
 from train.tasks import first_tensor as samples_of_batch, weighing

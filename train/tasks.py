@@ -39,7 +39,7 @@ class Task:
     def split(self, batch) -> tuple:
         """(inputs, targets) of a batch: a pair (tuple or list) as it is, or a dict's two keys. A dict without the
         input key is a Hugging Face style batch ({input_ids, attention_mask, labels}): the targets are its target key
-        (or `labels`) and the model is called with the rest as keywords (train.parallel.call_model)."""
+        (or `labels`) and the model is called with the rest as keywords (train.parallel.strategy.call_model)."""
         if isinstance(batch, Mapping):
             if self.input_key in batch:
                 return batch[self.input_key], batch[self.target_key]

@@ -21,7 +21,6 @@ restart runs clean):
 """
 
 import os
-import sys
 
 if os.environ.get("FAULT") in ("slow_io", "stuck_io", "trace_io") \
         and os.environ.get("FAULT_RANK", "0") in (os.environ.get("RANK"), "all"):
@@ -91,16 +90,16 @@ elif (
 
         train.config.load_config = broken_load_config
     elif kind == "slow_data":
-        import train.batches
+        import train.data.in_memory
 
-        epoch, delay = train.batches.TrainBatches.epoch, int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
+        epoch, delay = train.data.in_memory.TrainBatches.epoch, int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
 
         def slow_epoch(self, *args, **kwargs):
             for batch in epoch(self, *args, **kwargs):
                 threading.Event().wait(delay)
                 yield batch
 
-        train.batches.TrainBatches.epoch = slow_epoch
+        train.data.in_memory.TrainBatches.epoch = slow_epoch
     elif kind == "slow_forward":
         import train.step
 

@@ -87,7 +87,7 @@ class CheckpointManager:
              own: dict | None = None) -> None:
         """Save `state` as the checkpoint of `step`: as one file (it holds the full model and optimizer state), or
         with `tensors` (this rank's shards, format dcp) as a step directory, where `own` (this rank's RNG and data
-        position, train.state.own_state) is a file of this rank's. Every rank calls it."""
+        position, train.checkpoint.state.own_state) is a file of this rank's. Every rank calls it."""
         self.wait()
         self.saved_step = step
         meta = {"commit": self.next_commit, "step": step}

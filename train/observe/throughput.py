@@ -28,7 +28,7 @@ def peak_tflops(device: torch.device, override: float = 0.0) -> float:
 
 
 def flops_per_token(model: torch.nn.Module) -> float:
-    """The model's training FLOPs per token (forward and backward), 0 if it does not say (train.gpt.GPT does)."""
+    """The model's training FLOPs per token (forward and backward), 0 if it does not say (train.models.gpt.GPT does)."""
     method = getattr(model, "flops_per_token", None)
     return float(method()) if callable(method) else 0.0
 

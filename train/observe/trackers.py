@@ -35,7 +35,7 @@ class TrackedRun:
     name: str  # the config's name: the experiment/project a tracker files the run under
     start_step: int  # 0 for a fresh start; else the step resumed from
     hparams: dict  # the resolved config and the plan, flattened ("optim.lr": 0.1, "plan.global_batch": 256)
-    identity: dict = field(default_factory=dict)  # the values that define the run (train.identity)
+    identity: dict = field(default_factory=dict)  # the values that define the run (train.checkpoint.identity)
 
     @property
     def resumed(self) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from train.tokens import TokenWindows
+from train.data.tokens import TokenWindows
 
 PAD = 256  # byte tokens are 0..255
 

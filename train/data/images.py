@@ -3,10 +3,10 @@ a user's own images. Never loaded whole: each image is decoded with Pillow when 
 worker processes (`data.num_workers`), and augmented there.
 
     data:
-      train: {_target_: train.images.ImageFolder, root: /data/pets/train, image_size: 64, augment: true}
-      eval:  {_target_: train.images.ImageFolder, root: /data/pets/val, image_size: 64}
+      train: {_target_: train.data.images.ImageFolder, root: /data/pets/train, image_size: 64, augment: true}
+      eval:  {_target_: train.data.images.ImageFolder, root: /data/pets/val, image_size: 64}
 
-Random crops and flips draw from torch's global generator, which the loader seeds per sample (train.loader), so
+Random crops and flips draw from torch's global generator, which the loader seeds per sample (train.data.loader), so
 they do not depend on the worker or the world size, and a resumed run sees the same crops.
 """
 

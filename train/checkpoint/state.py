@@ -19,9 +19,9 @@ import torch
 from train.checkpoint import dcp
 from train.config import flatten
 from train.dist import DistEnv, gather_to_main
-from train.identity import describe, identity_changes
+from train.checkpoint.identity import describe, identity_changes
 from train.optim import Plan
-from train.parallel import Strategy
+from train.parallel.strategy import Strategy
 
 FORMAT_VERSION = 1
 

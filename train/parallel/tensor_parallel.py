@@ -2,7 +2,7 @@
 torch.distributed.tensor.parallel (`parallelize_module`, `ColwiseParallel`, `RowwiseParallel`).
 
 The plan says which modules split how: `trainer.tp_plan` (module name pattern -> style), else the model's own
-`tensor_parallel_plan()` (train.gpt.GPT has one, with and without sequence parallelism), else a Hugging Face
+`tensor_parallel_plan()` (train.models.gpt.GPT has one, with and without sequence parallelism), else a Hugging Face
 model's `config.base_model_tp_plan`. A model without one is refused before start. Styles: colwise (the output
 features split: each rank its heads, its hidden units; the input whole), rowwise (the input features split, the
 output all-reduced whole): a colwise layer followed by a rowwise one costs one all-reduce forward and one backward.
@@ -161,7 +161,7 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh) -> None:
     output projection sharing the embedding) are tied again: each module's split replaced its own parameter."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from train.meta_init import retie, tied_parameters
+    from train.parallel.meta_init import retie, tied_parameters
 
     ties = tied_parameters(model)
     parallelize_module(model, mesh, {name: parallel_style(style) for name, style in matched(model, plan).items()})

@@ -2,7 +2,7 @@
 
 A strategy owns this rank's part of the model and answers everything the loop, evaluation and checkpoints need
 from it: one micro-step's forward and backward, gradient clipping, evaluation outputs, and full (unsharded,
-single-device) state dicts. It distributes; what the loss is, it does not know: the task's `loss` is passed in. `train.sharded` (FSDP2) and `train.pipeline` implement the same interface, so
+single-device) state dicts. It distributes; what the loss is, it does not know: the task's `loss` is passed in. `train.parallel.sharded` (FSDP2) and `train.parallel.pipeline` implement the same interface, so
 `train.run` never asks which strategy it runs.
 """
 
@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from train.config import TrainerConfig
 from train.dist import DistEnv
-from train.layout import layout_of
+from train.parallel.layout import layout_of
 
 COMPRESSED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD_COMPRESSIONS = ("none", *COMPRESSED_DTYPES)

@@ -14,8 +14,8 @@ from torch import nn
 from train.config import TrainerConfig
 from train.dist import DistEnv
 
-STRATEGIES = {"ddp": "train.parallel:DDPStrategy", "fsdp": "train.sharded:FSDPStrategy", "pipeline": "train.pipeline:PipelineStrategy"}
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # the keys of train.pipeline.SCHEDULES
+STRATEGIES = {"ddp": "train.parallel.strategy:DDPStrategy", "fsdp": "train.parallel.sharded:FSDPStrategy", "pipeline": "train.parallel.pipeline:PipelineStrategy"}
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # the keys of train.parallel.pipeline.SCHEDULES
 
 
 def build_strategy(model: nn.Module, cfg: TrainerConfig, env: DistEnv, device: torch.device):

@@ -21,7 +21,7 @@ DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
 def read_meta(directory: Path) -> dict:
-    """meta.json beside the token files (train.prepare_text writes it): vocab_size, dtype, tokenizer."""
+    """meta.json beside the token files (train.data.prepare_text writes it): vocab_size, dtype, tokenizer."""
     path = directory / "meta.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -40,7 +40,7 @@ class TokenWindows(Dataset):
         self.format = format
         file = Path(path)
         if not file.is_file():
-            raise FileNotFoundError(f"no token file {file}: write one with `python -m train.prepare_text TEXT_FILES "
+            raise FileNotFoundError(f"no token file {file}: write one with `python -m train.data.prepare_text TEXT_FILES "
                                     f"{file.parent}` (or point data.root at a directory with train.bin and val.bin).")
         meta = read_meta(file.parent)
         dtype = dtype or meta.get("dtype", "uint16")

@@ -2,9 +2,9 @@
 
 `data.train` and `data.eval` are `_target_` nodes: the functions at the end of this file (`digits`, `synthetic`,
 `mnist`, `fashion_mnist`, `cifar10`) are the built-in targets, any map-style torch Dataset is another
-(`train.loader` serves it with a DataLoader). Every built-in set fits in memory (CIFAR-10 is 150 MB as uint8), so
+(`train.data.loader` serves it with a DataLoader). Every built-in set fits in memory (CIFAR-10 is 150 MB as uint8), so
 each is held as one image tensor and one label tensor (`TensorData`) and served as whole batches by
-`train.batches`: no per-sample Python work in the training loop. Images stay in their stored dtype (uint8 for the
+`train.data.in_memory`: no per-sample Python work in the training loop. Images stay in their stored dtype (uint8 for the
 file formats) and are normalised per batch.
 """
 
@@ -140,7 +140,7 @@ def check_available(cfg: DataConfig) -> None:
         missing = [name for name in ("train.bin", "val.bin") if not (Path(cfg.root) / name).is_file()]
         if missing:
             raise DatasetMissing(
-                f"data={cfg.name}: no {' or '.join(missing)} in {cfg.root}: write them with `python -m train.prepare_text "
+                f"data={cfg.name}: no {' or '.join(missing)} in {cfg.root}: write them with `python -m train.data.prepare_text "
                 f"TEXT_FILES {cfg.root}` (byte-level, nothing to download), or point data.root at the directory that "
                 f"holds them (nanoGPT's prepare scripts write the same flat uint16 files).")
     elif cfg.name in IDX_DIRS:
@@ -185,8 +185,8 @@ def prepare(cfg: DataConfig) -> None:
         except DatasetMissing:
             pass
         if cfg.name == "python_stdlib":  # on every machine: tokenized once, here, before any worker starts
-            from train.prepare_text import prepare as tokenize
-            from train.prepare_text import stdlib_sources
+            from train.data.prepare_text import prepare as tokenize
+            from train.data.prepare_text import stdlib_sources
 
             tokenize(stdlib_sources(STDLIB_BYTES), Path(cfg.root))
             return

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch.utils.data import DistributedSampler
 
-from train.data import Datasets, TensorData
+from train.data.sets import Datasets, TensorData
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +67,7 @@ def augment(images: torch.Tensor, indices: torch.Tensor, seed: int, epoch: int, 
 
 class PositionFromStep:
     """A batch source whose position follows from the step alone (its order is a function of seed, epoch and
-    index): nothing of its own goes into a checkpoint. Streams (train.streams) have a state instead."""
+    index): nothing of its own goes into a checkpoint. Streams (train.data.streams) have a state instead."""
 
     def state_dict(self) -> None:
         return None
@@ -153,7 +153,7 @@ def stage(data: Datasets, device: torch.device) -> Datasets:
     """On a GPU, keep in-memory data sets that take under a quarter of the free device memory on the device:
     batches are then indexed and augmented there, with no host-to-device copy per step. Larger ones stay on the
     host and each batch is copied from pinned memory without blocking (see `_copy_pinned`). Other data sets are
-    served by a DataLoader (train.loader)."""
+    served by a DataLoader (train.data.loader)."""
     if device.type != "cuda" or not (isinstance(data.train, TensorData) and isinstance(data.eval, TensorData)):
         return data
     free, _ = torch.cuda.mem_get_info(device)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, get_worker_info
 
-from train.batches import PositionFromStep, _mix_int, eval_share, to_device
+from train.data.in_memory import PositionFromStep, _mix_int, eval_share, to_device
 from train.config import DataConfig
 from train.dist import die_with_rank
 
@@ -52,7 +52,7 @@ class SeededSamples(Dataset):
 
 
 def sample_seed(seed: int, epoch: int, *keys: int) -> int:
-    """A seed from (seed, epoch, keys...): the in-memory path's augmentation hash (train.batches), extended."""
+    """A seed from (seed, epoch, keys...): the in-memory path's augmentation hash (train.data.in_memory), extended."""
     seed = _mix_int(seed * 1_000_003 + epoch)
     for key in keys:
         seed = _mix_int(seed + key)

@@ -1,6 +1,6 @@
 """`trainer.strategy=fsdp`: fully sharded data parallelism with PyTorch's FSDP2 (`fully_shard`).
 
-Each declared block of the model (see `train.models.blocks`) and then the root are sharded over the ranks of a
+Each declared block of the model (see `train.models.vision.blocks`) and then the root are sharded over the ranks of a
 node (HSDP: one copy of the sharded model per node, `trainer.fsdp_replicate`, on a 2-D device mesh): a rank keeps
 1/(ranks per copy) of every parameter, its gradient and its optimizer state, gathers a block's parameters just
 before using it and frees them after. The batch is split as under DDP, so the two reach the same weights.
@@ -37,15 +37,15 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from train.build import compile_blocks
 from train.config import TrainerConfig
 from train.dist import DistEnv
-from train.layout import layout_of
-from train.models import blocks
-from train.parallel import Strategy, call_model, clip_global_norm
-from train.tensor_parallel import apply_tensor_parallel, model_plan
+from train.parallel.layout import layout_of
+from train.models.vision import blocks
+from train.parallel.strategy import Strategy, call_model, clip_global_norm
+from train.parallel.tensor_parallel import apply_tensor_parallel, model_plan
 
 def replica_groups(cfg: TrainerConfig, env: DistEnv) -> int:
     """How many copies of the sharded model there are (HSDP): trainer.fsdp_replicate, or with 0 one per node, so that
     the parameter all-gathers and gradient reduce-scatters of every step stay within a node (NVLink) and only the
-    all-reduce between the copies crosses nodes (train.layout)."""
+    all-reduce between the copies crosses nodes (train.parallel.layout)."""
     return layout_of(cfg, env.world_size, env.local_world_size).dp_replicate
 
 

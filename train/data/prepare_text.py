@@ -1,9 +1,9 @@
-"""Tokenize text into the token files train.tokens reads: train.bin and val.bin (flat uint16 token ids) and
+"""Tokenize text into the token files train.data.tokens reads: train.bin and val.bin (flat uint16 token ids) and
 meta.json, in OUT_DIR.
 
-    python -m train.prepare_text book.txt more/*.txt data/my_text          # byte-level: vocabulary 256
-    python -m train.prepare_text --python-stdlib data/python_stdlib        # this Python's own library sources
-    python -m train.prepare_text --tokenizer gpt2 corpus.txt data/corpus   # tiktoken's GPT-2 BPE, if installed
+    python -m train.data.prepare_text book.txt more/*.txt data/my_text          # byte-level: vocabulary 256
+    python -m train.data.prepare_text --python-stdlib data/python_stdlib        # this Python's own library sources
+    python -m train.data.prepare_text --tokenizer gpt2 corpus.txt data/corpus   # tiktoken's GPT-2 BPE, if installed
 
 Byte-level tokenization needs nothing installed and nothing downloaded: every byte is a token (0..255). With many
 files, every k-th file (k = 1 / --val-fraction) is validation text, so both splits sample the whole corpus; with
@@ -72,7 +72,7 @@ def prepare(files: list[Path], out_dir: Path, tokenizer: str = "bytes", val_frac
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"vocab_size": vocab_size(tokenizer), "dtype": str(train_tokens.dtype), "tokenizer": tokenizer,
             "train_tokens": len(train_tokens), "val_tokens": len(val_tokens), "files": len(files)}
-    # meta.json first, the .bin files last: a reader that finds both .bin files (train.data.check_available) finds
+    # meta.json first, the .bin files last: a reader that finds both .bin files (train.data.sets.check_available) finds
     # a complete set. A crash never leaves a half-written file under a real name.
     (out_dir / ".meta.json.partial").write_text(json.dumps(meta, indent=2) + "\n")
     (out_dir / ".meta.json.partial").replace(out_dir / "meta.json")

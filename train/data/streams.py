@@ -26,9 +26,9 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from train.batches import to_device
+from train.data.in_memory import to_device
 from train.config import DataConfig
-from train.loader import loader_options, sample_seed, seeded
+from train.data.loader import loader_options, sample_seed, seeded
 
 log = logging.getLogger(__name__)
 # torchdata 0.11 calls a torch function deprecated since (once per loader): not ours to fix, and noise in every log.

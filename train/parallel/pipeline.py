@@ -1,6 +1,6 @@
 """`trainer.strategy=pipeline`: the model cut into consecutive stages, one per process (torch.distributed.pipelining).
 
-The cut falls between the model's stages (`train.models.pipeline_stages`: the children of an nn.Sequential, each
+The cut falls between the model's stages (`train.models.vision.pipeline_stages`: the children of an nn.Sequential, each
 feeding the next), as evenly by count as it goes:
 stage r keeps blocks [r*n/S, (r+1)*n/S) under their original names, so the stages' state dicts put together
 are the whole model's. Every batch is cut into `trainer.microbatches` microbatches that flow through the
@@ -27,10 +27,10 @@ from torch.distributed.tensor import DTensor
 
 from train.config import TrainerConfig
 from train.dist import DistEnv
-from train.layout import layout_of
-from train.models import pipeline_stages
-from train.parallel import Strategy, call_model, clip_global_norm
-from train.tensor_parallel import apply_tensor_parallel, model_plan
+from train.parallel.layout import layout_of
+from train.models.vision import pipeline_stages
+from train.parallel.strategy import Strategy, call_model, clip_global_norm
+from train.parallel.tensor_parallel import apply_tensor_parallel, model_plan
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations that travel between stages in eval
