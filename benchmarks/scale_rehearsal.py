@@ -97,6 +97,8 @@ def rank_process(args) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import train.run as run_module
+    from train.checkpoint.run_state import save_checkpoint
+    from train.loop import eval_source
     from train.checkpoint.staging import BackgroundWriter
     from train.config import load_config
     from train.dist import DistEnv
@@ -145,17 +147,17 @@ def rank_process(args) -> dict:
     with counters.in_phase("step"):
         step()
     with counters.in_phase("save"):
-        run_module.save_checkpoint(run)
+        save_checkpoint(run)
     step()
     run.ckpt.background = BackgroundWriter()
     with counters.in_phase("async save stall"):
-        run_module.save_checkpoint(run)
+        save_checkpoint(run)
     with counters.in_phase("async save write"):
         run.ckpt.wait()
     run.ckpt.background.close()
     run.ckpt.background = None
     with counters.in_phase("evaluation"):
-        evaluate(run.strategy, run.task, run_module.eval_source(run), cpu, run.autocast,
+        evaluate(run.strategy, run.task, eval_source(run), cpu, run.autocast,
                  heartbeat=lambda: watchdog.beat(run.progress.step, "evaluating"))
     stop = StopRequest(["SIGUSR1"], getattr(cfg.trainer, "stop_check_s", None) or cfg.trainer.stop_check_every,
                        run.control)
@@ -170,7 +172,7 @@ def rank_process(args) -> dict:
         with counters.in_phase("stop"):  # the checks and the save, not the steps between them
             if stop.agreed(run.progress.step):
                 agreed_s = time.monotonic() - signalled
-                run_module.save_checkpoint(run)
+                save_checkpoint(run)
                 break
     stop.close()
     if rank == 0:

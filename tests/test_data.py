@@ -136,7 +136,7 @@ def test_augmentation_hashes_its_seed_on_the_host_with_the_same_numbers(monkeypa
     """No torch.tensor(...) per batch: on a GPU that is a blocking host-to-device copy every step."""
     import random
 
-    import train.data.in_memory as batches
+    import train.data.seeds as batches
 
     values = [0, 1, -5, 2**62, 2**63 - 1, -(2**63)] + [random.Random(1).randrange(-(2**63), 2**63) for _ in range(200)]
     assert batches._mix(torch.tensor(values)).tolist() == [batches._mix_int(v) for v in values]

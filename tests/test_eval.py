@@ -12,12 +12,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from train.data.in_memory import eval_batches
+from train.data.build import build_eval_batches
 from train.config import DataConfig, TrainerConfig
 from train.data.sets import TensorData
 from train.dist import DistEnv, exit_without_finalizing
 from train.evaluate import evaluate
-from train.data.loader import loader_eval_batches
 from train.parallel.strategy import Strategy
 from train.tasks import Classification
 
@@ -67,10 +66,8 @@ def _worker(rank: int, world: int, batch_size: int, lockstep: bool, source: str,
         strategy = Strategy(model, TrainerConfig(), env, torch.device("cpu"))
         strategy.lockstep_eval = lockstep  # FSDP's way: ranks with fewer batches repeat one, uncounted
         cpu = torch.device("cpu")
-        if source == "memory":
-            batches = eval_batches(data, batch_size, rank, world, cpu, lockstep)
-        else:
-            batches = loader_eval_batches(Samples(data), DataConfig(eval_batch_size=batch_size), rank, world, cpu, lockstep)
+        dataset = data if source == "memory" else Samples(data)
+        batches = build_eval_batches(DataConfig(eval_batch_size=batch_size), dataset, rank, world, cpu, lockstep)
         out[rank] = evaluate(strategy, Classification(), batches, device=cpu, autocast=contextlib.nullcontext)
     finally:
         dist.destroy_process_group()
@@ -125,14 +122,12 @@ def lone_process_group():
 
 def test_a_stream_is_evaluated_from_its_start_every_time_and_an_empty_evaluation_says_so():
     """The second evaluation of a stream that keeps its position got no batch and died with KeyError: 'count'."""
-    from train.data.streams import stream_eval_batches
-
     data, model = make_case()
     stream, cpu = PositionedStream(data), torch.device("cpu")
     cfg = DataConfig(eval_batch_size=16, num_workers=0)
     with lone_process_group():
         strategy = Strategy(model, TrainerConfig(), DistEnv(0, 0, 1, 1), cpu)
-        first, second = (evaluate(strategy, Classification(), stream_eval_batches(stream, cfg, cpu, False), cpu,
+        first, second = (evaluate(strategy, Classification(), build_eval_batches(cfg, stream, 0, 1, cpu, False), cpu,
                                   contextlib.nullcontext) for _ in range(2))
         assert first == second and first["acc"] == reference()["acc"]
         with pytest.raises(RuntimeError, match="the evaluation counted no sample on any rank: data.eval gave no batch"):

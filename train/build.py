@@ -5,6 +5,7 @@ signature before any process started (launcher/targets.py)."""
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 
 import torch
@@ -12,6 +13,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from train.config import OptimConfig, TrainConfig
+from train.parallel.meta_init import Unsupported, build_on_meta
+
+log = logging.getLogger("train")
 
 
 def add_import_path(cfg: TrainConfig) -> None:
@@ -77,3 +81,25 @@ def compile_blocks(model: nn.Module) -> None:
 
 def _recomputed(forward, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def build_initial_model(cfg: TrainConfig):
+    """The model with the same initial weights on every rank: built whole, or under fsdp with trainer.meta_init on
+    the meta device, with the recipes that give each rank its shards once sharded (train/parallel/meta_init.py)."""
+    torch.manual_seed(cfg.trainer.seed)
+    if cfg.trainer.strategy == "fsdp" and cfg.trainer.meta_init:
+        from hydra.utils import get_object
+
+        get_object(cfg.model["_target_"])  # its module imported first: build_on_meta adapts to a Hugging Face model's
+        try:
+            model, recipes = build_on_meta(lambda: build_model(cfg))
+            log.info("trainer.meta_init: the model was built on the meta device; each rank fills in its shards only")
+            return model, recipes
+        except Unsupported as why:
+            log.warning("trainer.meta_init: building the whole model on every rank instead (%s)", why)
+            torch.manual_seed(cfg.trainer.seed)
+        except RuntimeError as why:  # a model that loads its weights (from_pretrained) refuses the meta device
+            log.warning("trainer.meta_init: building the whole model on every rank instead (it cannot be built on "
+                        "the meta device: %s)", str(why).splitlines()[0])
+            torch.manual_seed(cfg.trainer.seed)
+    return build_model(cfg), None

@@ -12,17 +12,16 @@ stopped and resumed mid-epoch is bitwise the straight one.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import random
 from collections.abc import Iterator
 
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
-from train.data.in_memory import PositionFromStep, _mix_int, eval_share, to_device
+from train.data.device import to_device
+from train.data.seeds import preserved_generators, sample_seed, seed_generators
+from train.data.source import EvalShare, PositionFromStep, most_batches, strided_share
 from train.config import DataConfig
 from train.dist import die_with_rank
 
@@ -49,45 +48,6 @@ class SeededSamples(Dataset):
     def _draw(self, epoch: int, index: int):
         seed_generators(sample_seed(self.seed, epoch, index))
         return self.dataset[index]
-
-
-def sample_seed(seed: int, epoch: int, *keys: int) -> int:
-    """A seed from (seed, epoch, keys...): the in-memory path's augmentation hash (train.data.in_memory), extended."""
-    seed = _mix_int(seed * 1_000_003 + epoch)
-    for key in keys:
-        seed = _mix_int(seed + key)
-    return seed
-
-
-def seed_generators(seed: int) -> None:
-    """torch's CPU generator, random's and numpy's global ones (what a data set's transforms draw from)."""
-    torch.default_generator.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-
-
-@contextlib.contextmanager
-def preserved_generators():
-    """The global generators as they were, after: in the main process (num_workers=0) the training's own random
-    streams must not move. A loader worker's generators are its own: nothing to put back there."""
-    if get_worker_info() is not None:
-        yield
-        return
-    python, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    try:
-        yield
-    finally:
-        random.setstate(python)
-        np.random.set_state(numpy_state)
-        torch.set_rng_state(torch_state)
-
-
-@contextlib.contextmanager
-def seeded(seed: int):
-    """The global generators seeded with `seed` inside, as they were after."""
-    with preserved_generators():
-        seed_generators(seed)
-        yield
 
 
 class EpochSampler(Sampler):
@@ -139,12 +99,10 @@ class LoaderBatches(PositionFromStep):
             yield to_device(batch, self.device, self.memory_format)
 
 
-def loader_eval_batches(dataset: Dataset, cfg: DataConfig, rank: int, replicas: int, device: torch.device,
-                        lockstep: bool) -> Iterator[tuple[object, bool]]:
-    """This rank's strided, unpadded share of the evaluation set (samples rank, rank + W, ...), as (batch, True);
-    with `lockstep`, then (batch, False) repeats up to the largest rank's batch count (their sums are ignored)."""
-    real = rank < len(dataset)  # a rank without a sample of its own runs sample 0, uncounted
-    mine = list(range(rank, len(dataset), replicas)) if real else [0]
-    loader = DataLoader(Subset(dataset, mine), batch_size=cfg.eval_batch_size, shuffle=False, **loader_options(cfg, device))
-    batches = (to_device(batch, device) for batch in loader)
-    return eval_share(batches, real, len(dataset), replicas, cfg.eval_batch_size, lockstep)
+def eval_share(dataset: Dataset, cfg: DataConfig, rank: int, replicas: int, device: torch.device) -> EvalShare:
+    """This rank's strided, unpadded share of the evaluation set: samples rank, rank + R, ..."""
+    indices, counted = strided_share(len(dataset), rank, replicas)
+    loader = DataLoader(Subset(dataset, indices), batch_size=cfg.eval_batch_size, shuffle=False,
+                        **loader_options(cfg, device))
+    return EvalShare((to_device(batch, device) for batch in loader), counted,
+                     most_batches(len(dataset), replicas, cfg.eval_batch_size))

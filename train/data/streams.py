@@ -26,9 +26,11 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from train.data.in_memory import to_device
 from train.config import DataConfig
-from train.data.loader import loader_options, sample_seed, seeded
+from train.data.device import to_device
+from train.data.loader import loader_options
+from train.data.seeds import sample_seed, seeded
+from train.data.source import EvalShare
 
 log = logging.getLogger(__name__)
 # torchdata 0.11 calls a torch function deprecated since (once per loader): not ours to fix, and noise in every log.
@@ -134,11 +136,9 @@ class StreamBatches:
         )
 
 
-def stream_eval_batches(dataset: IterableDataset, cfg: DataConfig, device: torch.device,
-                        lockstep: bool) -> Iterator[tuple[object, bool]]:
-    """This rank's evaluation batches of an iterable data set, as (batch, True). With `lockstep` (forwards that hold
-    collectives), the ranks agree before each batch whether any still has one; a rank that has run out repeats its
-    last batch, uncounted. The stream must give every rank at least one batch."""
+def eval_share(dataset: IterableDataset, cfg: DataConfig, rank: int, replicas: int, device: torch.device) -> EvalShare:
+    """This rank's evaluation batches of an iterable data set (which yields this rank's samples itself). How many
+    each rank gets is not known in advance: in lockstep, the ranks agree before each batch (train.data.source)."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     # Every evaluation reads the set from its start: a stream that keeps its position (its state_dict) would
@@ -146,19 +146,5 @@ def stream_eval_batches(dataset: IterableDataset, cfg: DataConfig, device: torch
     if callable(getattr(dataset, "set_epoch", None)):
         dataset.set_epoch(0)
     options = {**loader_options(cfg, device), "persistent_workers": False}
-    batches = (to_device(b, device) for b in StatefulDataLoader(dataset, batch_size=cfg.eval_batch_size, **options))
-    if not lockstep:
-        yield from ((batch, True) for batch in batches)
-        return
-    last = None
-    while True:
-        batch = next(batches, None)
-        more = torch.tensor([int(batch is not None)], device=device)
-        torch.distributed.all_reduce(more, op=torch.distributed.ReduceOp.MAX)
-        if not more.item():
-            return
-        if batch is None and last is None:
-            raise RuntimeError("data.eval gave this rank no batch while others have some: under fsdp every rank "
-                               "must get at least one evaluation batch (fewer ranks, or a smaller data.eval_batch_size).")
-        last = batch if batch is not None else last
-        yield last, batch is not None
+    loader = StatefulDataLoader(dataset, batch_size=cfg.eval_batch_size, **options)
+    return EvalShare(to_device(batch, device) for batch in loader)

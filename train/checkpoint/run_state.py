@@ -1,0 +1,75 @@
+"""A checkpoint of the running training (train.loop saves it), and the state a run starts from (train.run.build)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from train import dist as distributed
+from train.checkpoint import CheckpointManager, refuse_fresh_start_over
+from train.checkpoint.state import Progress, build_state, own_state, restore_state, sharded_parts
+from train.checkpoint.weights import read_weights
+from train.config import to_dict
+from train.dist import DistEnv
+
+if TYPE_CHECKING:
+    from train.run import Run
+
+log = logging.getLogger("train")
+
+
+def resume_state(ckpt: CheckpointManager, env: DistEnv) -> dict | None:
+    """The state of the newest checkpoint that loads, on every rank (see CheckpointManager.choose); None for a
+    fresh start. Each stream read is watched against checkpoint.io_timeout_s; waits on other ranks' reading are not
+    hangs."""
+    if env.is_main and not ckpt.cfg.resume:
+        refuse_fresh_start_over(ckpt.directory.parent)
+    if not ckpt.cfg.resume:
+        return None
+    state = ckpt.choose(env.rank, env.world_size)
+    if state is not None:
+        log.info("resuming from %s (step %d)", state.get("sharded") or "the newest checkpoint file", state["step"])
+    return state
+
+
+def resume(ckpt: CheckpointManager, cfg, env: DistEnv, strategy, optimizer, scheduler, scaler, plan) -> tuple[Progress, dict | None]:
+    """The run's progress and the checkpoint's state it resumed from (None: a fresh start, from the weights of
+    checkpoint.init_from if given); the strategy, optimizer, scheduler and scaler restored in place."""
+    progress, started = Progress(), time.perf_counter()
+    state = resume_state(ckpt, env)
+    if state is None and cfg.checkpoint.init_from:  # checked against the model before start (launcher)
+        strategy.load_model_state(read_weights(cfg.checkpoint.init_from))
+        log.info("a fresh start from the weights in %s", cfg.checkpoint.init_from)
+    if state is not None:
+        parts = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, plan=plan,
+                     env=env, config=to_dict(cfg), read_tensors=ckpt.read_tensors,
+                     rank_state=lambda rank: ckpt.rank_state(state, rank))
+        progress = restore_state(state, **parts)
+        ckpt.saved_step = progress.step
+        progress.load_s = time.perf_counter() - started
+    return progress, state
+
+
+def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
+    """Every rank takes part: gathering RNG states and data positions onto rank 0 (format file; a step directory
+    has a small file per rank instead) is a collective, and so are gathering the model's parts onto rank 0 (format
+    file, under fsdp or pipeline) or writing them in parallel (format dcp). A single file is written by rank 0
+    alone while the others wait for it (its stream watched, see the manager)."""
+    step, started = run.progress.step, time.perf_counter()
+    run.finite.check("no checkpoint is written and the run stops")
+    if run.ckpt.saved_step == step:
+        if is_best:
+            run.ckpt.wait()  # best/ links the files of the step being written
+            run.ckpt.mark_best(step)
+        return
+    own, sharded = own_state(run.batches), run.ckpt.format == "dcp"
+    tensors, plain = sharded_parts(run.strategy, run.optimizer, run.ckpt.group) if sharded else (None, None)
+    state = build_state(
+        strategy=run.strategy, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
+        progress=run.progress, plan=run.plan, ranks=None if sharded else distributed.gather_to_main(own, run.ckpt.group),
+        config=to_dict(run.cfg), sharded_plain=plain,
+    )
+    run.ckpt.save(state, step, tensors=tensors, best=is_best, own=own)
+    if metrics is not None:  # how long training stood still for this save (with async_save: the staging copy)
+        metrics.log("checkpoint", step, {"stall_s": time.perf_counter() - started, "async": float(run.ckpt.background is not None)})

@@ -1,0 +1,200 @@
+"""The training loop: steps, logging, evaluations and checkpoints at their times, a stop agreed by every rank.
+
+`fit` reads top to bottom; everything it touches was built once by train.run.build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from train import dist as distributed
+from train.checkpoint import BEST, BEST_DIR
+from train.checkpoint.run_state import save_checkpoint
+from train.data.build import build_eval_batches
+from train.evaluate import evaluate
+from train.observe.console import build_console, run_summary
+from train.observe.memory import log_memory
+from train.observe.metrics import build_metrics
+from train.observe.plan import describe_plan, tracked_run
+from train.observe.profile import build_profiler
+from train.observe.startup import report_startup
+from train.observe.status import write_status
+from train.observe.throughput import peak_tflops
+from train.step import ForwardClock, Meter, SavedActivations, train_step
+from train.stopping import StopRequest
+
+if TYPE_CHECKING:
+    from train.run import Run
+
+PLAN_FILE = "plan.json"
+
+
+@dataclass
+class Outcome:
+    status: str  # finished | stopped (a stop signal: checkpoint saved) | complete (nothing left to do)
+    step: int
+    metrics: dict[str, float]  # the last evaluation's
+    signal: str | None = None  # the signal that stopped the run
+
+
+def evaluation_due(run: Run) -> bool:
+    """At the end of the run, after every trainer.eval_every-th epoch and every trainer.eval_every_steps steps."""
+    step, plan, every = run.progress.step, run.plan, run.cfg.trainer.eval_every
+    epoch_end = step > 0 and step % plan.steps_per_epoch == 0
+    steps = run.cfg.trainer.eval_every_steps
+    return step >= plan.stop_step or (epoch_end and every > 0 and (step // plan.steps_per_epoch) % every == 0) \
+        or (steps > 0 and step > 0 and step % steps == 0)
+
+
+def eval_source(run: Run):
+    return build_eval_batches(run.cfg.data, run.data.eval, run.strategy.replica_rank, run.strategy.replicas, run.device,
+                              run.strategy.lockstep_eval)
+
+
+def monitored(run: Run) -> tuple[str, str]:
+    """The metric that picks best.pt and whether smaller (min) or larger (max) is better."""
+    return run.cfg.checkpoint.monitor or run.task.main_metric, run.cfg.checkpoint.mode or run.task.mode
+
+
+@contextlib.contextmanager
+def compiling(run: Run, what: str):
+    """A first pass under trainer.compile compiles: minutes, and ranks finish minutes apart. No hang detection
+    inside, and the training group's collectives wait for the slowest rank beyond trainer.timeout_s (the first
+    compiled step's all-reduces, FSDP's all-gathers in the first evaluation, meet ranks still compiling)."""
+    with run.watchdog.paused(what), distributed.patient(*distributed.every_group()):
+        yield
+
+
+def evaluate_and_save(run: Run, metrics, console) -> dict[str, float]:
+    """Evaluate, then checkpoint: the file written at this step carries this evaluation (best metric, best.pt)."""
+    progress, watchdog = run.progress, run.watchdog
+    run.finite.check("the model is not evaluated, no checkpoint is written and the run stops")
+    first_compiled = run.cfg.trainer.compile and run.evaluations == 0  # fsdp compiles each block's eval graph now
+    with compiling(run, "compiling the evaluation") if first_compiled else contextlib.nullcontext():
+        result = evaluate(run.strategy, run.task, eval_source(run), run.device, run.autocast,
+                          heartbeat=lambda: watchdog.beat(progress.step, "evaluating"))
+    run.evaluations += 1
+    epoch = progress.step / run.plan.steps_per_epoch
+    metrics.log("eval", progress.step, {**result, "epoch": epoch})
+    console.show_eval(progress.step, epoch, result)
+    name, mode = monitored(run)
+    value = result[name]
+    best = progress.best_metric
+    is_best = best is None or (value < best if mode == "min" else value > best)
+    if is_best:
+        progress.best_metric, progress.best_step = value, progress.step
+    progress.eval_step = progress.step
+    run.ckpt.saved_step = -1  # a file of this step written before the evaluation would carry a stale best metric
+    save_checkpoint(run, is_best, metrics)
+    return result
+
+
+def fit(run: Run) -> Outcome:
+    cfg, plan, progress, env, watchdog = run.cfg, run.plan, run.progress, run.env, run.watchdog
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    console = build_console(env, cfg.trainer.progress, plan.stop_step, progress.step)
+    metrics = build_metrics(env, cfg.loggers, tracked_run(run))
+    hosts = distributed.gather_to_main(socket.gethostname(), run.control)  # where each rank runs, for the record
+    if env.is_main:
+        record = {**plan.to_dict(), "hosts": hosts, "threads_per_process": torch.get_num_threads()}
+        (run.run_dir / PLAN_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    console.print(describe_plan(run))
+    metrics.note("plan", describe_plan(run), progress.step)
+    if run.resumed:
+        metrics.log("checkpoint", progress.step, {"load_s": progress.load_s})
+        metrics.note("resume", f"resumed at step {progress.step} (checkpoint loaded in {progress.load_s:.1f} s)"
+                     + (f", after {restarts} restarts of the process group" if restarts else ""), progress.step)
+    stop = StopRequest(cfg.trainer.stop_signals, cfg.trainer.stop_check_s, run.control)
+    batches = run.batches
+    # Not under compile: recording events inside the compiled forward would split its graph.
+    forward = None if cfg.trainer.compile else ForwardClock(run.strategy.model, run.device)
+    meter = Meter(run.device, forward, run.flops_per_token, peak_tflops(run.device, cfg.trainer.peak_tflops))
+    profiler = build_profiler(cfg.trainer.profile, run.run_dir, env.rank, run.device, cfg.trainer.profile_ranks,
+                              env.world_size)
+    result: dict[str, float] = {}
+    stopped = False
+    micro_batches = None
+    start, started = progress.step, time.perf_counter()
+
+    if progress.step < plan.stop_step and progress.eval_step < progress.step and evaluation_due(run):
+        result = evaluate_and_save(run, metrics, console)  # resumed at an epoch end whose evaluation never ran
+
+    while progress.step < plan.stop_step:
+        epoch, offset = divmod(progress.step, plan.steps_per_epoch)
+        if micro_batches is None or offset == 0:
+            micro_batches = batches.epoch(epoch, start=offset * cfg.trainer.accumulate)
+        first = progress.step == start
+        compiling_now = cfg.trainer.compile and first  # the first step compiles: minutes, not a hang
+        # This attempt's first step counts the activations it keeps (not under compile: the hooks would be traced).
+        saved = SavedActivations(run.strategy.model) if first and not cfg.trainer.compile else None
+        # The first step also sets up what the collectives need (NCCL's communicators: minutes at scale).
+        with compiling(run, "compiling the first step") if compiling_now else \
+                watchdog.phase("the first step") if first else contextlib.nullcontext(), \
+                saved or contextlib.nullcontext(), profiler.step(progress.step + 1):
+            train_step(run.strategy, run.task, micro_batches, run.optimizer, run.scheduler, run.scaler, run.autocast,
+                       cfg.trainer, meter, run.finite)
+        progress.step += 1
+        if progress.step == start + 1:  # this attempt's first step: the optimizer state exists now
+            log_memory(run, metrics, console, progress.step, saved.bytes if saved else 0)
+            report_startup(watchdog.timeline, env, run.control, console, metrics, progress.step)
+        watchdog.beat(progress.step)
+        console.advance(progress.step)
+        if (profiled := profiler.finished(progress.step)) is not None:
+            console.print(profiled)
+            metrics.note("profile", profiled, progress.step)
+        if progress.step % cfg.trainer.log_every == 0:
+            run.finite.check()
+            values = {
+                **meter.reduce(plan.global_batch, plan.replicas, loss_copies=run.strategy.layout.tp),
+                "lr": run.scheduler.get_last_lr()[0],
+                "epoch": progress.step / plan.steps_per_epoch,
+                "restarts": restarts,
+                **({"skipped_steps": run.finite.skipped} if run.finite.policy == "skip" else {}),
+            }
+            if profiler.covers(progress.step - cfg.trainer.log_every, progress.step):
+                values["profiled"] = 1.0  # these steps ran under the profiler: slower, and not a regression
+            metrics.log("train", progress.step, values)
+            console.show(progress.step, epoch, values)
+        if evaluation_due(run):
+            result = evaluate_and_save(run, metrics, console)
+            meter.restart_clock()
+        elif run.ckpt.due(progress.step):
+            save_checkpoint(run, metrics=metrics)
+            meter.restart_clock()
+        if progress.step >= plan.stop_step:
+            break
+        if stop.agreed(progress.step):  # after the evaluation of an epoch that ends here, never instead of it
+            save_checkpoint(run, metrics=metrics)
+            stopped = True
+            break
+
+    run.finite.check()
+    run.ckpt.close()  # a save still in flight is finished (and committed) before the run reports its end
+    stop.close()
+    if forward is not None:
+        forward.close()
+    console.close()
+    metrics.close()
+    if stopped:
+        console.print(f"stopped at step {progress.step} with a checkpoint; run the same command again to resume")
+        if env.is_main:
+            write_status(run.run_dir, "stopped", step=progress.step)
+        return Outcome("stopped", progress.step, result, signal=stop.signal_name)
+    if env.is_main:
+        write_status(run.run_dir, "finished", step=progress.step, **{f"eval_{k}": v for k, v in result.items()})
+    if not result:
+        console.print(f"nothing to do: the run already reached step {progress.step} of {plan.stop_step}")
+        return Outcome("complete", progress.step, result)
+    name, _ = monitored(run)
+    best = run.ckpt.directory / (BEST_DIR if run.ckpt.format == "dcp" else BEST)
+    console.print(run_summary(plan, progress, name, best, progress.step - start, time.perf_counter() - started,
+                              meter.tokens_total))
+    return Outcome("finished", progress.step, result)
