@@ -2,7 +2,7 @@
 
 A backend validates what only it knows, holds the run directory for the launch (RUN_DIR/lease.json, see
 launcher/lease.py), starts the run (or submits it), says whether a lease's holder still owns the directory, and
-stops a run. A new backend (a Kubernetes TrainJob next) is one new module and one line in BACKENDS.
+stops a run. A new backend is one new module and one line in BACKENDS.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from launcher.lease import Lease, check_free
 from launcher.schema import Config
 
-BACKENDS = {"local": "launcher.local:Local", "slurm": "launcher.slurm:Slurm"}
+BACKENDS = {"local": "launcher.local:Local", "slurm": "launcher.slurm:Slurm", "ray": "launcher.ray_backend:Ray"}
 
 
 class Backend:
@@ -47,6 +47,18 @@ class Backend:
     def cancel(self, lease: Lease) -> str:
         """Stop the holder of `lease`; what was done, in words."""
         raise NotImplementedError
+
+    def jobs(self, run_dir: Path) -> list[dict[str, str]]:
+        """The jobs submitted for `run_dir` (job, state, where), for `python -m launcher.jobs status`."""
+        return []
+
+    def logs(self, run_dir: Path, task: int, err: bool) -> str | None:
+        """The newest job's log of `task` (a rank), or None if this backend submitted none for `run_dir`."""
+        return None
+
+    def cancel_jobs(self, run_dir: Path, held: set[str]) -> list[str]:
+        """Stop the jobs of `run_dir` still active (other than those in `held`, stopped by their lease); in words."""
+        return []
 
 
 def get_backend(name: str) -> Backend:

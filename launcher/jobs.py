@@ -1,25 +1,27 @@
 """`python -m launcher.jobs status|logs|cancel RUN_DIR`: where a run stands (step, loss, throughput, ETA, restarts:
-launcher/progress.py), who holds its directory, and its SLURM jobs; for a whole sweep, pass its sweep directory to
-status (one table) and cancel.
+launcher/progress.py), who holds its directory, and the jobs submitted for it (SLURM, Ray); for a whole sweep, pass
+its sweep directory to status (one table) and cancel.
 
-Reads RUN_DIR/lease.json (the holder: a local launcher or a SLURM job) and RUN_DIR/slurm/jobs.jsonl, written at
-each submission. Job states come from the SLURM controller (scontrol), else from its accounting (sacct); the logs
-from the files submitit writes per task (RUN_DIR/slurm/<job>_<task>_log.out/.err).
+Reads RUN_DIR/lease.json (the holder: a local launcher, a SLURM job, a Ray job) and the jobs each backend recorded at
+submission (RUN_DIR/slurm/jobs.jsonl, RUN_DIR/ray/jobs.jsonl); their states and logs come from the backend's
+scheduler (SLURM's controller or accounting, the Ray cluster's Jobs API).
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
-from launcher.backend import get_backend, lease_holder_alive
+from launcher.backend import BACKENDS, get_backend, lease_holder_alive
 from launcher.lease import read_lease
 from launcher.progress import print_progress
-from launcher.slurm import ACTIVE, JOBS_FILE, job_state, recorded_jobs, slurm_folder
 from launcher.sweep import point_dirs
 from train.observe.status import read_status
+
+
+def backends():
+    return [get_backend(name) for name in BACKENDS]
 
 
 def run_dirs(path: Path) -> list[Path]:
@@ -27,9 +29,9 @@ def run_dirs(path: Path) -> list[Path]:
     return point_dirs(path) or [path]
 
 
-def job_ids(path: Path) -> list[str]:
-    """The jobs of a run directory, or of every point of a sweep directory."""
-    return [j for run_dir in run_dirs(path) for j in recorded_jobs(run_dir)]
+def job_rows(path: Path) -> list[dict[str, str]]:
+    """The jobs of a run directory, or of every point of a sweep directory, from every backend."""
+    return [row for run_dir in run_dirs(path) for backend in backends() for row in backend.jobs(run_dir)]
 
 
 def holder(run_dir: Path) -> str:
@@ -49,26 +51,22 @@ def status(run_dir: Path) -> int:
         ended = read_status(directory)
         if ended.get("status") == "failed" and ended.get("error"):
             print(f"{directory.name}: failed: {ended['error']}")
-    if not job_ids(run_dir):
-        return 0
-    print(f"{'job':>10}  {'state':<12} {'elapsed':>10}  nodes")
-    for job_id in job_ids(run_dir):
-        info = job_state(job_id)
-        print(f"{job_id:>10}  {info['state']:<12} {info.get('Elapsed', ''):>10}  {info.get('NodeList', '')}")
+    rows = job_rows(run_dir)
+    if rows:
+        print(f"{'job':>24}  {'state':<12} {'elapsed':>10}  where")
+        for row in rows:
+            print(f"{row['job']:>24}  {row['state']:<12} {row.get('elapsed', ''):>10}  {row.get('where', '')}")
     return 0
 
 
-def logs(run_dir: Path, task: int, lines: int, stream: str) -> int:
-    if not job_ids(run_dir):
-        print(f"error: {run_dir} has no SLURM jobs (no slurm/{JOBS_FILE}): a local run logs to its console", file=sys.stderr)
-        return 2
-    job_id = job_ids(run_dir)[-1]
-    path = slurm_folder(run_dir) / f"{job_id}_{task}_log.{stream}"
-    if not path.exists():
-        print(f"no log yet at {path} (the job may still be pending)", file=sys.stderr)
-        return 1
-    print("\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
-    return 0
+def logs(run_dir: Path, task: int, lines: int, err: bool) -> int:
+    for backend in backends():
+        text = backend.logs(run_dir, task, err)
+        if text is not None:
+            print("\n".join(text.splitlines()[-lines:]))
+            return 0
+    print(f"error: {run_dir} has no submitted jobs (SLURM, Ray): a local run logs to its console", file=sys.stderr)
+    return 2
 
 
 def cancel(run_dir: Path) -> int:
@@ -77,10 +75,9 @@ def cancel(run_dir: Path) -> int:
     for lease in leases:
         done.append(get_backend(lease.backend).cancel(lease))
     held = {lease.job_id for lease in leases}
-    active = [j for j in job_ids(run_dir) if j not in held and job_state(j)["state"] in ACTIVE]
-    if active:
-        subprocess.run(["scancel", *active], check=True)
-        done.append(f"cancelled: {' '.join(active)}")
+    for directory in run_dirs(run_dir):
+        for backend in backends():
+            done.extend(backend.cancel_jobs(directory, held))
     print("\n".join(done) or "nothing holds the run: no running or pending job")
     return 0
 
@@ -100,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return status(run_dir)
     if args.command == "logs":
-        return logs(run_dir, args.task, args.lines, "err" if args.err else "out")
+        return logs(run_dir, args.task, args.lines, args.err)
     return cancel(run_dir)
 
 

@@ -49,6 +49,7 @@ class Lease:
     host: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
     job_id: str = ""
+    address: str = ""  # where the job's scheduler answers for it (a Ray cluster's Jobs API)
     expires: float = 0.0
 
     def renewed(self) -> Lease:

@@ -18,8 +18,8 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the package's
 
 @dataclass
 class LauncherConfig:
-    name: str = "local"  # how workers start: local (torch elastic on this machine, or on each node by hand)
-    max_restarts: int = 0  # elastic restarts of the whole worker group after a rank fails; training resumes
+    name: str = "local"  # how workers start: local (torch elastic on this machine, or on each node by hand) | slurm | ray
+    max_restarts: int = 0  # restarts of the whole worker group after a rank or a node fails (local, ray); training resumes
     rdzv_endpoint: str = ""  # HOST:PORT of the first node's rendezvous; required when trainer.nodes > 1 (one node: a free port)
     rdzv_id: str = ""  # rendezvous id shared by the nodes of one run; empty derives it from the run directory
     rdzv_timeout_s: int = 900  # how long nodes wait for each other at the rendezvous
@@ -38,8 +38,12 @@ class LauncherConfig:
     signal: str = "USR2"  # slurm: warning signal before the time limit or preemption (NCCL may catch USR1)
     signal_delay_s: int = 120  # slurm: how long before the limit the warning comes: time to finish a step and save
     max_requeues: int = 3  # slurm: how often the job requeues itself after a warning before giving up
-    wait: bool = False  # slurm: block until the job ends and exit with its status (default: return at once)
+    wait: bool = False  # slurm, ray: block until the job ends and exit with its status (default: return at once)
     sbatch: dict[str, str] = field(default_factory=dict)  # slurm: extra sbatch options, e.g. {gres: "gpu:4"}
+    # launcher=ray: one job through the Ray Jobs API (see docs/clusters.md)
+    address: str = ""  # ray: the cluster's Jobs API, http://HEAD:8265 (KubeRay: the head service's); empty: RAY_ADDRESS
+    excludes: list[str] = field(default_factory=list)  # ray: paths of the working directory not to upload (gitignore syntax)
+    env: dict[str, str] = field(default_factory=dict)  # ray: environment variables of the job's processes, e.g. {NCCL_DEBUG: INFO}
 
 
 @dataclass

@@ -392,6 +392,27 @@ class Slurm(Backend):
         subprocess.run(["scancel", lease.job_id], check=True)
         return f"cancelled: {lease.job_id}"
 
+    def jobs(self, run_dir: Path) -> list[dict[str, str]]:
+        rows = []
+        for job_id in recorded_jobs(run_dir):
+            info = job_state(job_id)
+            rows.append({"job": job_id, "state": info["state"], "elapsed": info.get("Elapsed", ""),
+                         "where": info.get("NodeList", "")})
+        return rows
+
+    def logs(self, run_dir: Path, task: int, err: bool) -> str | None:
+        jobs = recorded_jobs(run_dir)
+        if not jobs:
+            return None
+        path = slurm_folder(run_dir) / f"{jobs[-1]}_{task}_log.{'err' if err else 'out'}"
+        return path.read_text(errors="replace") if path.exists() else f"(no log yet at {path}: the job may still be pending)"
+
+    def cancel_jobs(self, run_dir: Path, held: set[str]) -> list[str]:
+        active = [j for j in recorded_jobs(run_dir) if j not in held and job_state(j)["state"] in ACTIVE]
+        if active:
+            subprocess.run(["scancel", *active], check=True)
+        return [f"cancelled: {' '.join(active)}"] if active else []
+
 
 def wait_for_job(job_id: str, run_dir: Path, poll_s: float = 2.0) -> int:
     """Block until the job has ended for good (through requeues): its lease released or its owner gone. The exit

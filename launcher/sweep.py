@@ -1,5 +1,5 @@
 """The summary of a Hydra multirun sweep: one row per point with its overrides, global batch, final and best
-evaluation accuracy, final loss, throughput, wall time and SLURM job ids; printed as a table and written to
+evaluation accuracy, final loss, throughput, wall time and job ids (SLURM, Ray); printed as a table and written to
 SWEEP_DIR/summary.csv (the sweep's manifest). The launcher prints it when a local sweep ends; `python -m launcher.sweep SWEEP_DIR`
 rebuilds it at any time (e.g. once the jobs of a SLURM sweep have finished). TensorBoard pointed at SWEEP_DIR
 lists every point in its HPARAMS view.
@@ -19,13 +19,13 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from launcher.slurm import recorded_jobs
+from launcher.backend import BACKENDS, get_backend
 from train.observe.metrics import read_records
 from train.observe.status import read_status
 
 SUMMARY_FILE = "summary.csv"
 COLUMNS = ("point", "status", "overrides", "global_batch", "final_acc", "best_acc", "final_loss", "samples_per_s",
-           "wall_time_s", "slurm_jobs")
+           "wall_time_s", "jobs")
 
 
 def point_dirs(sweep_dir: Path) -> list[Path]:
@@ -52,7 +52,7 @@ def summarize_point(run_dir: Path) -> dict:
         # the first interval holds the warm-up (allocations, first-touch, compilation): left out when there are more
         "samples_per_s": statistics.median(r["samples_per_s"] for r in trains[1:] or trains) if trains else None,
         "wall_time_s": timed[-1] - timed[0] if len(timed) > 1 else None,
-        "slurm_jobs": " ".join(recorded_jobs(run_dir)) or None,
+        "jobs": " ".join(row["job"] for name in BACKENDS for row in get_backend(name).jobs(run_dir)) or None,
     }
 
 

@@ -136,6 +136,11 @@ def test_the_scale_rehearsal_in_small_meets_its_targets(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]  # no rank exited 70 in its 2 s model build
     results = {(r["world"], r["rank"]): r for r in json.loads(out.read_text())["results"]}
     last = {world: results[(world, world - 1)]["phases"] for world in (8, 64)}
+    for phases in last.values():  # where the background write's operations fall, stall or write, is a race: as one
+        stall, write = phases.pop("async save stall"), phases["async save write"]
+        write["fs_ops"] = {op: stall["fs_ops"].get(op, 0) + write["fs_ops"].get(op, 0)
+                           for op in stall["fs_ops"].keys() | write["fs_ops"].keys()}
+        write["received_bytes"] += stall["received_bytes"]
     for phase in ("save", "async save write", "stop", "resume"):
         assert last[8][phase]["fs_ops"] == last[64][phase]["fs_ops"], phase
         assert last[64][phase]["received_bytes"] <= 1.1 * last[8][phase]["received_bytes"] + 1024, phase

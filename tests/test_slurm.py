@@ -17,7 +17,7 @@ import torch
 
 from conftest import FAST, final_checkpoint, logged_steps, read_metrics, shared_lock
 from conftest import wait_for as _wait_for
-from launcher.jobs import job_state
+from launcher.slurm import job_state
 from launcher.slurm import clear_unfinished_result, export_env_from_slurm, recorded_jobs, slurm_folder
 
 DEFAULT_CONF = "/tmp/slurm-test-cluster/etc/slurm.conf"

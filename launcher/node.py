@@ -1,0 +1,28 @@
+"""One node's agent of a run that a cluster engine started (launcher=ray): `python -m launcher.node SNAPSHOT HOST:PORT`.
+
+The same as `python -m launcher trainer.nodes=N launcher.rdzv_endpoint=HOST:PORT` on each node, without composing
+or holding anything: the config is the run's snapshot, the run directory is held by the job, and restarts are the
+job's (launcher/ray_job.py), so this agent makes none of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from launcher.local import Local
+from launcher.schema import Config
+from train.dist import die_with_parent
+
+
+def main(snapshot: str, endpoint: str) -> int:
+    die_with_parent()  # with the actor that started it (however it ends: a lost node, ray.kill)
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(snapshot))
+    cfg.launcher.rdzv_endpoint, cfg.launcher.max_restarts = endpoint, 0
+    return Local().start(cfg, Path(snapshot).parent, Path(snapshot))
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

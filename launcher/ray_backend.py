@@ -1,0 +1,256 @@
+"""Submit a run as ONE job through the Ray Jobs API: trainer.nodes nodes of a Ray cluster, the project's own agent
+on each (launcher/ray_job.py is the job's entrypoint, on the cluster).
+
+The launcher uploads the working directory (the user's code; the run directories, virtual environments and
+launcher.excludes left out) and returns with the job's submission id, which holds the run directory's lease: the
+job's state in the Jobs API says whether its holder lives. The run directory must be on storage every node shares,
+as on SLURM. Every submission is recorded in RUN_DIR/ray/jobs.jsonl for `python -m launcher.jobs`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from launcher.backend import Backend, check_run_dir_free
+from launcher.lease import Lease, flock, take_lease
+from launcher.schema import Config
+from train.observe.status import read_status, write_status
+from train.parallel.layout import procs_per_node
+
+JOBS_FILE = "jobs.jsonl"
+ACTIVE = ("PENDING", "RUNNING")  # the Jobs API's states in which the job may still write its run directory
+UPLOAD_LIMIT_BYTES = 512 * 1024 * 1024  # Ray's limit on an uploaded package (its gRPC message size)
+ALWAYS_EXCLUDED = (".git", ".venv", "venv", "__pycache__", "runs", "multirun", "outputs", ".ray")
+# The launching shell's settings that the job's processes need as well (the cluster has an environment of its own).
+PASSED_ENV = ("NCCL_", "GLOO_", "TORCH_", "WANDB_", "MLFLOW_", "HF_")
+
+
+def ray_address(cfg: Config) -> str:
+    """The Jobs API's URL: launcher.address, else RAY_ADDRESS; http:// if no scheme is given."""
+    address = cfg.launcher.address or os.environ.get("RAY_ADDRESS", "")
+    return address if not address or "://" in address else f"http://{address}"
+
+
+def use_address(address: str) -> None:
+    """Ray's clients take RAY_ADDRESS over the address they are given: make it this one."""
+    os.environ["RAY_ADDRESS"] = address
+
+
+def client(address: str):
+    from ray.job_submission import JobSubmissionClient
+
+    use_address(address)
+    return JobSubmissionClient(address)
+
+
+def bundle(cfg: Config) -> dict[str, float]:
+    """What one node's agent and its ranks hold: a CPU per rank (launcher.cpus_per_task each), trainer.gpus GPUs."""
+    resources = {"CPU": float(procs_per_node(cfg.trainer) * max(cfg.launcher.cpus_per_task, 1))}
+    if cfg.trainer.gpus:
+        resources["GPU"] = float(cfg.trainer.gpus)
+    return resources
+
+
+def upload_excludes(cfg: Config, run_dir: Path, root: Path) -> list[str]:
+    """What is not uploaded with the working directory: run directories, environments, launcher.excludes."""
+    excludes = [*ALWAYS_EXCLUDED, *cfg.launcher.excludes]
+    with contextlib.suppress(ValueError):
+        excludes.append(str(run_dir.resolve().relative_to(root)))
+    return excludes
+
+
+def upload_size(root: Path, excludes: list[str]) -> tuple[int, dict[str, int], list[str]]:
+    """Bytes that would be uploaded, per top-level entry, and the files that cannot be read (Ray's packaging fails
+    on them). Top-level excludes and hidden environment folders only; gitignore patterns are Ray's to apply."""
+    per_entry, unreadable, excluded = {}, [], {e.strip("/") for e in excludes}
+    for entry in root.iterdir():
+        if entry.name in excluded:
+            continue
+        paths = [entry] if entry.is_file() else [p for p in entry.rglob("*") if p.is_file()]
+        total = 0
+        for path in paths:
+            if any(part in excluded for part in path.relative_to(root).parts):
+                continue
+            if not os.access(path, os.R_OK):
+                unreadable.append(str(path.relative_to(root)))
+                continue
+            total += path.stat().st_size
+        per_entry[entry.name] = total
+    return sum(per_entry.values()), per_entry, unreadable
+
+
+def check_cluster(cfg: Config, address: str, problems: list[str]) -> None:
+    """The cluster answers at `address` and has trainer.nodes nodes that can each hold a node's bundle."""
+    from ray.util.state import list_nodes
+
+    use_address(address)
+    try:
+        nodes = [n for n in list_nodes(address=address, timeout=15) if n.state == "ALIVE"]
+    except Exception as error:  # noqa: BLE001 - any failure to reach it is the same advice
+        problems.append(f"launcher=ray: no Ray cluster answers at {address} ({str(error).splitlines()[0][:200]}): start "
+                        f"one (ray start --head, or a KubeRay RayCluster) and give its dashboard address, "
+                        f"launcher.address=http://HEAD:8265 (or RAY_ADDRESS).")
+        return
+    need = bundle(cfg)
+    fit = [n for n in nodes if all(n.resources_total.get(k, 0) >= v for k, v in need.items())]
+    if len(fit) < cfg.trainer.nodes:
+        largest = max((n.resources_total.get("GPU" if "GPU" in need else "CPU", 0) for n in nodes), default=0)
+        what = "GPUs" if "GPU" in need else "CPUs"
+        problems.append(
+            f"trainer.nodes={cfg.trainer.nodes} with {need} per node (trainer.gpus, trainer.procs_per_node, "
+            f"launcher.cpus_per_task), but the Ray cluster at {address} has {len(fit)} node(s) that can hold that, of "
+            f"{len(nodes)} alive (the most {what} on one node: {largest:g}): use trainer.nodes={len(fit)} or fewer, fewer "
+            f"processes per node, or a larger cluster. The job would otherwise wait for resources forever.")
+
+
+def record_job(run_dir: Path, job_id: str, address: str) -> None:
+    folder = run_dir / "ray"
+    folder.mkdir(exist_ok=True)
+    with open(folder / JOBS_FILE, "a") as out:
+        out.write(json.dumps({"job_id": job_id, "address": address, "submitted": time.time()}) + "\n")
+
+
+def recorded_jobs(run_dir: Path) -> list[dict]:
+    path = run_dir / "ray" / JOBS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def job_status(job_id: str, address: str) -> str:
+    """PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED; UNKNOWN if the cluster does not answer."""
+    try:
+        return str(client(address).get_job_status(job_id).value)
+    except Exception:  # noqa: BLE001 - unreachable, or a cluster that no longer knows the job
+        return "UNKNOWN"
+
+
+class Ray(Backend):
+    """One Ray job; it owns the run directory from submission until it ends."""
+
+    name = "ray"
+    runs_here = False
+
+    def validate(self, cfg: Config, problems: list[str]) -> None:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            problems.append("launcher=ray needs Ray on this machine to submit the job: pip install -e '.[ray]' "
+                            "(ray[default], the Jobs API client).")
+            return
+        address = ray_address(cfg)
+        if not address:
+            problems.append("launcher=ray needs the cluster's address: launcher.address=http://HEAD:8265 (the Ray "
+                            "dashboard's; KubeRay: the head service's port 8265), or RAY_ADDRESS.")
+            return
+        root = Path.cwd()
+        size, per_entry, unreadable = upload_size(root, [*ALWAYS_EXCLUDED, *cfg.launcher.excludes])
+        if size > UPLOAD_LIMIT_BYTES * 0.9:
+            largest = sorted(per_entry.items(), key=lambda kv: -kv[1])[:3]
+            problems.append(
+                f"launcher=ray uploads the working directory {root} to the cluster, and it holds {size / 2**20:.0f} MiB "
+                f"(largest: {', '.join(f'{k} {v / 2**20:.0f} MiB' for k, v in largest)}); Ray refuses packages over "
+                f"{UPLOAD_LIMIT_BYTES / 2**20:.0f} MiB: leave data out with launcher.excludes=[{largest[0][0]}] (data "
+                f"belongs on storage the nodes share, named by data.root), or launch from the project's code directory.")
+        if unreadable:
+            problems.append(f"launcher=ray uploads the working directory {root}, but cannot read {unreadable[:3]}: make "
+                            f"them readable, or leave them out with launcher.excludes=[{unreadable[0]}].")
+        check_cluster(cfg, address, problems)
+
+    @contextlib.contextmanager
+    def hold(self, cfg: DictConfig, run_dir: Path):
+        # Held for the launch only (check, submit, write the job's lease); the job then holds the lease itself.
+        with flock(run_dir, fcntl.LOCK_EX, f"hydra.run.dir={run_dir}"):
+            taken_over = check_run_dir_free(run_dir, key="")
+            if taken_over:
+                print(taken_over, file=sys.stderr)
+            yield
+
+    def start(self, cfg: Config, run_dir: Path, snapshot: Path) -> int:
+        """Submit one job and return at once (or, with launcher.wait=true, when it ends)."""
+        address, root = ray_address(cfg), Path.cwd()
+        job_id = f"ddp-{cfg.name}-{uuid.uuid4().hex[:8]}"
+        env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV)}
+        env.update({
+            "RAY_DEDUP_LOGS": "0",
+            "LAUNCHER_RAY_JOB": job_id, "LAUNCHER_RAY_ADDRESS": address,  # the job's lease: who it is, who answers
+            # `ray job stop` sends SIGTERM, then SIGKILL after this long: the time the ranks get to save and stop.
+            "RAY_JOB_STOP_WAIT_TIME_S": str(cfg.launcher.shutdown_timeout_s + 30),
+            **{str(k): str(v) for k, v in cfg.launcher.env.items()},
+        })
+        lease = Lease(backend=self.name, holder=f"Ray job {job_id}", key=f"ray:{job_id}", job_id=job_id,
+                      address=address)
+        take_lease(run_dir, lease.renewed())  # before the job can start: it finds its own lease there
+        try:
+            client(address).submit_job(
+                entrypoint=f"python -u -m launcher.ray_job {snapshot}",
+                submission_id=job_id,
+                runtime_env={"working_dir": str(root), "excludes": upload_excludes(cfg, run_dir, root), "env_vars": env},
+                metadata={"run_dir": str(run_dir)},
+            )
+        except Exception as error:  # noqa: BLE001 - refused for any reason: the directory is free again
+            (run_dir / "lease.json").unlink(missing_ok=True)
+            print(f"error: the Ray cluster at {address} refused the job: {error}", file=sys.stderr)
+            write_status(run_dir, "failed", error=f"the Ray cluster refused the job: {error}")
+            return 2
+        record_job(run_dir, job_id, address)
+        write_status(run_dir, "submitted", job_id=job_id)
+        print(f"submitted Ray job {job_id} to {address}\n"
+              f"  follow: python -m launcher.jobs status {run_dir}   (also: logs, cancel)", flush=True)
+        return wait_for_job(job_id, address, run_dir) if cfg.launcher.wait else 0
+
+    def holder_alive(self, lease: Lease) -> tuple[bool, str]:
+        state = job_status(lease.job_id, lease.address)
+        if state in ACTIVE:
+            return True, state
+        if state != "UNKNOWN":
+            return False, state
+        alive, expiry = super().holder_alive(lease)  # the cluster does not answer: the lease's renewals tell
+        return alive, f"the cluster at {lease.address} does not answer, {expiry}"
+
+    def cancel(self, lease: Lease) -> str:
+        client(lease.address).stop_job(lease.job_id)  # SIGTERM to the job: the ranks save, then stop
+        return f"stopping Ray job {lease.job_id}: its ranks save and stop"
+
+    def jobs(self, run_dir: Path) -> list[dict[str, str]]:
+        return [{"job": r["job_id"], "state": job_status(r["job_id"], r["address"]), "where": r["address"]}
+                for r in recorded_jobs(run_dir)]
+
+    def logs(self, run_dir: Path, task: int, err: bool) -> str | None:
+        jobs = recorded_jobs(run_dir)
+        if not jobs:
+            return None
+        return client(jobs[-1]["address"]).get_job_logs(jobs[-1]["job_id"])
+
+    def cancel_jobs(self, run_dir: Path, held: set[str]) -> list[str]:
+        stopped = []
+        for record in recorded_jobs(run_dir):
+            if record["job_id"] not in held and job_status(record["job_id"], record["address"]) in ACTIVE:
+                client(record["address"]).stop_job(record["job_id"])
+                stopped.append(record["job_id"])
+        return [f"stopping Ray job(s): {' '.join(stopped)}"] if stopped else []
+
+
+def wait_for_job(job_id: str, address: str, run_dir: Path, poll_s: float = 2.0) -> int:
+    """Block until the job has ended; 0 if the run finished (status.json), else 1."""
+    unanswered_since = None
+    while (state := job_status(job_id, address)) in ACTIVE or state == "UNKNOWN":
+        if state == "UNKNOWN":
+            unanswered_since = unanswered_since or time.monotonic()
+            if time.monotonic() - unanswered_since > 300:
+                print(f"the Ray cluster at {address} has not answered for 5 minutes: not waiting any longer for job "
+                      f"{job_id}", file=sys.stderr)
+                return 1
+        else:
+            unanswered_since = None
+        time.sleep(poll_s)
+    status = read_status(run_dir).get("status", "unknown")
+    print(f"Ray job {job_id} ended: {state}; the run is {status}")
+    return 0 if status == "finished" else 1

@@ -1,0 +1,170 @@
+"""The entrypoint of a launcher=ray job, on the cluster: `python -m launcher.ray_job RUN_DIR/config.yaml`.
+
+It reserves trainer.nodes bundles of a STRICT_SPREAD placement group (one per node, with the CPUs and GPUs of the
+node's ranks) and starts an actor on each, which runs the project's own agent (launcher/node.py: torch elastic, the
+same as a local launch) with a c10d rendezvous on the first bundle's node. The trainer is untouched: env:// is its
+only contract. A lost node (its actor dies) or a failed rank stops every node's agent and, while
+launcher.max_restarts allows, starts them again (on the nodes left or returned) on a fresh rendezvous: training
+resumes from the last checkpoint. `ray job stop` sends this process SIGTERM: every agent is asked to stop, the ranks
+save and stop. The job's lease on the run directory is renewed here, and released at its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import ray
+from omegaconf import OmegaConf
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from launcher.backend import lease_holder_alive
+from launcher.lease import Lease, Renewer, read_lease
+from launcher.ray_backend import bundle
+from launcher.schema import Config
+from train.dist import PARENT_ENV
+from train.observe.status import read_status, write_status
+
+STOPPED_EXIT_CODE = 128 + signal.SIGTERM
+
+
+@ray.remote(max_restarts=0)
+class NodeAgent:
+    """One node's agent of the run, in its own process (torch elastic installs signal handlers: a main thread's
+    job), which dies with this actor."""
+
+    def __init__(self):
+        self.process: asyncio.subprocess.Process | None = None
+        self.stopping = False
+
+    def address(self) -> tuple[str, int]:
+        """This node's address, and a port free on it for the rendezvous."""
+        with socket.socket() as probe:
+            probe.bind((ray.util.get_node_ip_address(), 0))
+            return ray.util.get_node_ip_address(), probe.getsockname()[1]
+
+    async def run(self, snapshot: str, endpoint: str, restarts: int) -> int:
+        # The working directory (uploaded with the job: the user's own modules) on the ranks' path, after ours.
+        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), os.getcwd()) if p)
+        env = {**os.environ, "PYTHONPATH": path, PARENT_ENV: str(os.getpid()), "LAUNCHER_RESTARTS": str(restarts)}
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-u", "-P", "-m", "launcher.node", snapshot, endpoint, env=env)
+        if self.stopping:
+            self.process.send_signal(signal.SIGTERM)
+        return await self.process.wait()
+
+    async def stop(self) -> None:
+        """Ask the agent to stop: its ranks agree at the next step, save and end."""
+        self.stopping = True
+        if self.process is not None and self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)
+
+
+class Driver:
+    def __init__(self, snapshot: Path):
+        self.snapshot = snapshot
+        self.run_dir = snapshot.parent
+        self.cfg: Config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(snapshot))
+        self.stop_asked = False
+        self.agents: list = []
+
+    def on_stop(self, signum, frame) -> None:
+        print(f"received {signal.Signals(signum).name}: asking every node's ranks to save and stop", flush=True)
+        self.stop_asked = True
+        for agent in self.agents:
+            agent.stop.remote()
+
+    def reserve(self):
+        """The placement group of the run's nodes, once the cluster can hold it (nodes lost come back, or others
+        free up) within launcher.rdzv_timeout_s."""
+        group = placement_group([bundle(self.cfg)] * self.cfg.trainer.nodes, strategy="STRICT_SPREAD",
+                                name=f"{os.environ.get('LAUNCHER_RAY_JOB', 'run')}")
+        deadline = time.monotonic() + self.cfg.launcher.rdzv_timeout_s
+        ready = []
+        while not ready and time.monotonic() < deadline and not self.stop_asked:  # short waits: a SIGTERM is seen
+            ready, _ = ray.wait([group.ready()], timeout=1.0)
+        if not ready:
+            remove_placement_group(group)
+            raise RuntimeError(f"the Ray cluster could not hold {self.cfg.trainer.nodes} nodes of {bundle(self.cfg)} "
+                               f"within launcher.rdzv_timeout_s={self.cfg.launcher.rdzv_timeout_s}")
+        return group
+
+    def attempt(self, restarts: int) -> tuple[int, str]:
+        """Run every node's agent once: (exit code, what happened)."""
+        group = self.reserve()
+        try:
+            self.agents = [NodeAgent.options(
+                num_cpus=bundle(self.cfg)["CPU"], num_gpus=bundle(self.cfg).get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+            ).remote() for i in range(self.cfg.trainer.nodes)]
+            host, port = ray.get(self.agents[0].address.remote())
+            endpoint = f"{host}:{port}"
+            print(f"attempt {restarts}: {self.cfg.trainer.nodes} node(s), rendezvous at {endpoint}", flush=True)
+            if self.stop_asked:
+                return STOPPED_EXIT_CODE, "stopped before it started"
+            runs = {agent.run.remote(str(self.snapshot), endpoint, restarts): i for i, agent in enumerate(self.agents)}
+            pending = list(runs)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1, timeout=1.0)  # short waits: a SIGTERM is seen
+                if not done:
+                    continue
+                node = runs[done[0]]
+                try:
+                    code = ray.get(done[0])
+                except ray.exceptions.RayActorError as error:
+                    return 1, f"node {node} was lost ({type(error).__name__})"
+                if code != 0:
+                    return code, f"node {node}'s agent exited with {code}"
+            return 0, "every node finished"
+        finally:
+            for agent in self.agents:
+                ray.kill(agent)
+            self.agents = []
+            remove_placement_group(group)
+
+    def run(self) -> int:
+        restarts, limit = 0, self.cfg.launcher.max_restarts
+        while True:
+            code, what = self.attempt(restarts)
+            print(f"attempt {restarts}: {what}", flush=True)
+            if code == 0 or self.stop_asked or read_status(self.run_dir).get("status") in ("finished", "stopped"):
+                return code if not self.stop_asked else (0 if read_status(self.run_dir).get("status") == "stopped" else code)
+            if code == 65:  # the loss turned NaN or inf (train/finite.py): a restart would reach it again
+                return code
+            if restarts >= limit:
+                write_status(self.run_dir, "failed", error=f"{what}; launcher.max_restarts={limit} reached")
+                return code
+            restarts += 1
+            print(f"restarting every node from the last checkpoint ({restarts} of launcher.max_restarts={limit})",
+                  flush=True)
+            time.sleep(1)
+
+
+def main(snapshot: str) -> int:
+    driver = Driver(Path(snapshot).resolve())
+    job_id = os.environ.get("LAUNCHER_RAY_JOB", "")
+    ray.init(address="auto", log_to_driver=True)
+    for stop in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
+        signal.signal(stop, driver.on_stop)
+    lease = Lease(backend="ray", holder=f"Ray job {job_id}", key=f"ray:{job_id}", job_id=job_id,
+                  address=os.environ.get("LAUNCHER_RAY_ADDRESS", ""))
+    current = read_lease(driver.run_dir)
+    if current is not None and current.key != lease.key and (owner := lease_holder_alive(current))[0]:
+        # Taken over while this job waited (its lease expired where the cluster could not be asked): not ours.
+        print(f"error: job {job_id} does not start: {driver.run_dir} belongs to {current.holder} ({owner[1]})",
+              file=sys.stderr)
+        return 2
+    with Renewer(driver.run_dir, lease) as renewer:
+        code = driver.run()
+        renewer.stop(release_lease=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

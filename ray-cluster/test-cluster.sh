@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# A Ray cluster of two nodes on this machine, for the tests of launcher=ray and for trying it out:
+# the head on 127.0.0.2 (GCS port 6390, Jobs API and dashboard on http://127.0.0.2:8265) and a worker on 127.0.0.3,
+# each a node of its own to Ray (two raylets on one address would look like one node). The cluster has its own
+# environment, as a real cluster's image would: a venv with torch, Ray and this project (editable: the same code).
+#
+#   ray-cluster/test-cluster.sh install       # the cluster's venv (~1 min, once)
+#   ray-cluster/test-cluster.sh start         # both nodes; prints the address to use (RAY_ADDRESS)
+#   ray-cluster/test-cluster.sh kill-worker   # SIGKILL the worker node's raylet (a lost node)
+#   ray-cluster/test-cluster.sh start-worker  # the worker node again
+#   ray-cluster/test-cluster.sh stop
+set -euo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=${RAY_TEST_CLUSTER:-/tmp/ray-test-cluster}
+VENV=$ROOT/venv
+HEAD=127.0.0.2 WORKER=127.0.0.3 GCS_PORT=6390 DASHBOARD_PORT=8265
+CPUS_PER_NODE=${RAY_TEST_CPUS:-2}
+# Ray rewrites 127.0.0.1 to the machine's outside address: the nodes use 127.0.0.2 and up. No usage reports, no
+# merged log lines, and a small object store (the default claims a third of the memory).
+export RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0 PATH="$VENV/bin:$PATH"
+NODE_OPTS=(--num-cpus="$CPUS_PER_NODE" --num-gpus=0 --object-store-memory=200000000 --disable-usage-stats)
+
+wait_for_nodes() {  # $1: how many alive nodes to wait for
+  for _ in $(seq 60); do
+    alive=$(python - <<PY 2>/dev/null || echo 0
+import ray.util.state as s
+print(sum(n.state == "ALIVE" for n in s.list_nodes(address="http://$HEAD:$DASHBOARD_PORT")))
+PY
+)
+    [ "$alive" = "$1" ] && return 0
+    sleep 1
+  done
+  echo "the Ray test cluster did not reach $1 alive node(s)" >&2
+  return 1
+}
+
+case "${1:-}" in
+  install)
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q torch==2.13.0 'ray[default]==2.60.0' -e "$REPO"
+    ;;
+  start)
+    ray start --head --node-ip-address=$HEAD --port=$GCS_PORT --dashboard-host=$HEAD --dashboard-port=$DASHBOARD_PORT \
+      "${NODE_OPTS[@]}" >"$ROOT/head.log" 2>&1
+    ray start --address=$HEAD:$GCS_PORT --node-ip-address=$WORKER --temp-dir="$ROOT/worker" "${NODE_OPTS[@]}" >"$ROOT/worker.log" 2>&1
+    wait_for_nodes 2
+    echo "Ray test cluster: 2 nodes; RAY_ADDRESS=http://$HEAD:$DASHBOARD_PORT"
+    ;;
+  kill-worker)
+    pkill -KILL -f "raylet.*--node_ip_address=$WORKER" && echo "killed the raylet of $WORKER"
+    ;;
+  start-worker)
+    ray start --address=$HEAD:$GCS_PORT --node-ip-address=$WORKER --temp-dir="$ROOT/worker" "${NODE_OPTS[@]}" >>"$ROOT/worker.log" 2>&1
+    wait_for_nodes 2
+    ;;
+  stop)
+    ray stop --force >/dev/null 2>&1 || true
+    ;;
+  *)
+    echo "usage: $0 install|start|kill-worker|start-worker|stop" >&2
+    exit 2
+    ;;
+esac

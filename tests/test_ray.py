@@ -1,0 +1,146 @@
+"""launcher=ray against a real Ray cluster of two nodes on this machine (ray-cluster/test-cluster.sh; CI starts it):
+a run through the Jobs API equals the same world run locally, its status, a held directory, a graceful cancel, a
+lost node, a sweep, and bad input refused before anything is submitted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAULTS_DIR, IDENTITY, REPO, final_checkpoint, logged_steps, run_cli, shared_lock, wait_for
+
+ADDRESS = os.environ.get("RAY_ADDRESS", "http://127.0.0.2:8265")
+CLUSTER = REPO / "ray-cluster" / "test-cluster.sh"
+# IDENTITY (tests/conftest.py) on 2 nodes x 1 process, batch 16 each: the world of the `two_process_ddp` reference.
+JOB = [*IDENTITY, "launcher=ray", f"launcher.address={ADDRESS}", "trainer.nodes=2", "trainer.procs_per_node=1",
+       "data.batch_size=16"]
+
+
+def slowed(delay_ms: int) -> list[str]:
+    """Rank 0's batches come `delay_ms` late (tests/faults): a run long enough to act on while it trains."""
+    return [f"+launcher.env.PYTHONPATH={FAULTS_DIR}", "+launcher.env.FAULT=slow_data", "+launcher.env.FAULT_RANK=0",
+            f"+launcher.env.FAULT_DELAY_MS={delay_ms}"]
+
+
+def cluster_up() -> bool:
+    try:
+        from ray.util.state import list_nodes
+
+        return sum(n.state == "ALIVE" for n in list_nodes(address=ADDRESS, timeout=10)) >= 2
+    except Exception:  # noqa: BLE001 - no Ray installed, or nothing answers
+        return False
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if not cluster_up():
+        if os.environ.get("REQUIRE_RAY"):
+            pytest.fail(f"REQUIRE_RAY is set but no two-node Ray cluster answers at {ADDRESS} (ray-cluster/test-cluster.sh start)")
+        pytest.skip("no Ray test cluster: start one with `ray-cluster/test-cluster.sh start` (CI does)")
+    with shared_lock("ray-cluster", exclusive=True):  # its 2 nodes serve one test module at a time
+        yield
+
+
+def launch(tmp_path: Path, *overrides: str, timeout: float = 300):
+    return run_cli("launcher", *overrides, cwd=tmp_path, timeout=timeout, env={"RAY_ADDRESS": ADDRESS})
+
+
+def jobs(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return run_cli("launcher.jobs", *args, cwd=cwd, timeout=60, env={"RAY_ADDRESS": ADDRESS})
+
+
+def job_state(job_id: str) -> str:
+    from launcher.ray_backend import job_status
+
+    return job_status(job_id, ADDRESS)
+
+
+def submitted(stdout: str) -> list[str]:
+    return [line.split()[3] for line in stdout.splitlines() if line.startswith("submitted Ray job")]
+
+
+def assert_same_weights(a: dict, b: dict, atol: float = 1e-6) -> None:
+    assert a["step"] == b["step"]
+    for name, tensor in b["model"].items():
+        assert torch.allclose(a["model"][name], tensor, rtol=0, atol=atol), name
+
+
+def test_a_two_node_run_through_ray_equals_the_same_world_run_locally(cluster, tmp_path, two_process_ddp):
+    run_dir = tmp_path / "run"
+    proc = launch(tmp_path, *JOB, "launcher.wait=true", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0
+    (job_id,) = submitted(proc.stdout)
+    assert f"Ray job {job_id} ended: SUCCEEDED; the run is finished" in proc.stdout
+    assert_same_weights(final_checkpoint(run_dir), final_checkpoint(two_process_ddp))
+    status = jobs("status", str(run_dir), cwd=tmp_path)
+    assert "run: free (no lease)" in status.stdout and f"{job_id}  SUCCEEDED" in status.stdout
+    logs = jobs("logs", str(run_dir), "--lines", "200", cwd=tmp_path)
+    assert "attempt 0: every node finished" in logs.stdout and "rendezvous at 127.0.0.2:" in logs.stdout
+
+
+def test_a_ray_job_holds_its_directory_and_a_cancel_stops_it_with_a_checkpoint(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    job = [*JOB, "trainer.max_steps=200", "trainer.epochs=20", *slowed(150), f"hydra.run.dir={run_dir}"]
+    proc = launch(tmp_path, *job)
+    assert proc.returncode == 0
+    (job_id,) = submitted(proc.stdout)
+    wait_for(lambda: len(logged_steps(run_dir)) >= 1, 120, "the first logged step")
+    status = jobs("status", str(run_dir), cwd=tmp_path)
+    assert f"run: held by Ray job {job_id} (RUNNING)" in status.stdout
+    again = launch(tmp_path, *job)
+    assert again.returncode == 2 and f"belongs to Ray job {job_id} (RUNNING)" in again.stderr
+    assert jobs("cancel", str(run_dir), cwd=tmp_path).returncode == 0
+    wait_for(lambda: job_state(job_id) == "STOPPED", 120, "the job to stop")
+    stopped = final_checkpoint(run_dir)
+    assert 0 < stopped["step"] < 200  # the ranks agreed on a step, saved it and stopped
+    assert '"status": "stopped"' in (run_dir / "status.json").read_text()
+    assert "run: free (no lease)" in jobs("status", str(run_dir), cwd=tmp_path).stdout
+
+
+def test_a_lost_node_restarts_the_run_from_its_checkpoint_with_the_weights_of_an_uninterrupted_run(
+        cluster, tmp_path, two_process_ddp):
+    run_dir = tmp_path / "run"
+    proc = launch(tmp_path, *JOB, "checkpoint.every_steps=4", "launcher.max_restarts=2", *slowed(400),
+                  f"hydra.run.dir={run_dir}")
+    (job_id,) = submitted(proc.stdout)
+    checkpoints = run_dir / "checkpoints"
+    wait_for(lambda: any(checkpoints.glob("step_*.pt")), 120, "a first checkpoint")
+    try:
+        subprocess.run([str(CLUSTER), "kill-worker"], check=True, timeout=30)  # SIGKILL: the node is gone
+    finally:
+        subprocess.run([str(CLUSTER), "start-worker"], check=True, timeout=120)  # and comes back
+    wait_for(lambda: job_state(job_id) not in ("PENDING", "RUNNING"), 240, "the job to end")
+    assert job_state(job_id) == "SUCCEEDED"
+    logs = jobs("logs", str(run_dir), "--lines", "400", cwd=tmp_path).stdout
+    assert "restarting every node from the last checkpoint (1 of launcher.max_restarts=2)" in logs
+    assert "resumed at step" in logs
+    assert_same_weights(final_checkpoint(run_dir), final_checkpoint(two_process_ddp))
+
+
+def test_a_sweep_is_submitted_at_once_and_bad_input_is_refused_before_submission(cluster, tmp_path):
+    sweep = launch(tmp_path, "-m", *JOB, "optim.lr=0.05,0.1", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert sweep.returncode == 0
+    job_ids = submitted(sweep.stdout)
+    assert len(job_ids) == 2  # both submitted by one command that did not wait for either
+    wait_for(lambda: all(job_state(j) == "SUCCEEDED" for j in job_ids), 240, "both points to finish")
+    points = sorted(p.parent for p in (tmp_path / "sweep").glob("*/config.yaml"))
+    assert len(points) == 2 and all(final_checkpoint(p)["step"] == 24 for p in points)
+
+    def refused(*overrides: str) -> str:
+        run_dir = tmp_path / f"refused-{len(list(tmp_path.glob('refused-*')))}"
+        proc = launch(tmp_path, *JOB, *overrides, f"hydra.run.dir={run_dir}")
+        assert proc.returncode == 2 and "submitted" not in proc.stdout
+        assert not (run_dir / "ray").exists()  # nothing was submitted
+        return proc.stderr
+
+    assert "trainer.nodes=3 with {'CPU': 1.0} per node" in refused("trainer.nodes=3")
+    assert "has 2 node(s) that can hold that" in refused("trainer.nodes=3")
+    assert "no Ray cluster answers at http://127.0.0.9:8265" in refused("launcher.address=http://127.0.0.9:8265")
+    with open(tmp_path / "big.bin", "wb") as big:  # sparse: 600 MiB to Ray's packaging, nothing on the disk
+        big.truncate(600 * 2**20)
+    message = refused()
+    assert "largest: big.bin 600 MiB" in message and "launcher.excludes=[big.bin]" in message
