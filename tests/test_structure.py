@@ -109,3 +109,17 @@ def test_a_run_directory_made_before_the_move_resumes_after_it(tmp_path, launch)
     assert a["step"] == b["step"] == 4
     for name, tensor in b["model"].items():
         assert torch.equal(a["model"][name], tensor), name
+
+
+def test_a_ddp_launch_does_not_import_what_only_sharding_needs():
+    """torch.distributed.tensor (DTensor) takes ~0.4 s to import: the launcher of every run paid it once train.build
+    imported meta_init at its top."""
+    import subprocess
+    import sys
+
+    modules = ["launcher.main", "launcher.local", "launcher.validate", "launcher.one_batch", "launcher.summary",
+               "launcher.forecast", "train.build"]
+    script = f"import sys; import {', '.join(modules)}; print('torch.distributed.tensor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

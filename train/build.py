@@ -13,7 +13,6 @@ import torch.utils.checkpoint
 from torch import nn
 
 from train.config import OptimConfig, TrainConfig
-from train.parallel.meta_init import Unsupported, build_on_meta
 
 log = logging.getLogger("train")
 
@@ -89,6 +88,8 @@ def build_initial_model(cfg: TrainConfig):
     torch.manual_seed(cfg.trainer.seed)
     if cfg.trainer.strategy == "fsdp" and cfg.trainer.meta_init:
         from hydra.utils import get_object
+
+        from train.parallel.meta_init import Unsupported, build_on_meta  # DTensor: a second's import, fsdp's only
 
         get_object(cfg.model["_target_"])  # its module imported first: build_on_meta adapts to a Hugging Face model's
         try:
