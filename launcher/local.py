@@ -16,6 +16,7 @@ import hashlib
 import os
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,11 +28,13 @@ from torch.distributed.launcher.api import LaunchConfig
 from launcher.agent import failure_headline, failure_report, run_agent
 from launcher.backend import Backend, check_run_dir_free
 from launcher.lease import LOCK_FILE, Lease, Renewer, flock
+from launcher.lighthouse import LIGHTHOUSE_ENV, die_with_launcher, start_lighthouse
 from launcher.network import check_network, hosts_rendezvous, port_in_use
 from launcher.schema import Config
 from train.dist import PARENT_ENV, available_cores
+from train.fault_tolerance import REPLICA_GROUP_ENV, START_STORE_ENV
 from train.parallel.layout import procs_per_node
-from train.observe.status import write_status
+from train.observe.status import read_status, write_status
 
 
 def rendezvous_id(cfg: Config | DictConfig, run_dir: Path) -> str:
@@ -61,7 +64,7 @@ def threads_per_process(cfg: Config) -> int:
     return cfg.trainer.threads or max(1, available_cores() // procs_per_node(cfg.trainer))
 
 
-def launch_local(cfg: Config, run_dir: Path, snapshot: Path) -> None:
+def launch_local(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig | None = None) -> None:
     """Run the workers to completion; raises ChildFailedError (with the failing rank's traceback) on failure."""
     # As torchrun does: OpenMP and BLAS pools in the workers (oneDNN's, numpy's) size themselves from this, not
     # from torch.set_num_threads; unset, every process would start one thread per core.
@@ -70,7 +73,7 @@ def launch_local(cfg: Config, run_dir: Path, snapshot: Path) -> None:
     os.environ[PARENT_ENV] = str(os.getpid())
     # -P: not the working directory first on the path (a user's train.py there is not our `train`); the user's
     # modules come from the snapshot's import_path, after ours.
-    run_agent(launch_config(cfg, run_dir), sys.executable, ["-u", "-P", "-m", "train", str(snapshot)])
+    run_agent(config or launch_config(cfg, run_dir), sys.executable, ["-u", "-P", "-m", "train", str(snapshot)])
 
 
 @contextlib.contextmanager
@@ -103,6 +106,63 @@ def _check_endpoint(cfg: Config, problems: list[str]) -> None:
             f"launcher.rdzv_endpoint={endpoint}: port {port} is already in use on this machine, which hosts the "
             f"rendezvous (another run, or another program): pick a free port and use it on every node."
         )
+
+
+def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig | None = None) -> int:
+    """This node's workers to their end under one elastic agent; the exit code of the launch."""
+    try:
+        launch_local(cfg, run_dir, snapshot, config)
+    except ChildFailedError as error:
+        print(f"error: training failed.\n{failure_report(error.failures)}", file=sys.stderr)
+        write_status(run_dir, "failed", error=failure_headline(error.failures))
+        return 1
+    except SignalException as error:
+        print(f"stopped by {error.sigval.name}; the workers were stopped. Run the same command again to resume "
+              f"from the last checkpoint in {run_dir}.", file=sys.stderr)
+        sys.exit(128 + error.sigval.value)  # a signal stops a whole sweep too
+    return 0
+
+
+def launch_replica_groups(cfg: Config, snapshot: Path) -> int:
+    """trainer.fault_tolerance=replicas: torchft's Lighthouse, then one agent per replica group (launcher/replicas.py),
+    each restarting its own group (launcher.max_restarts); every group to its end. The exit code is the worst
+    group's (0: all finished)."""
+    from torch.distributed import TCPStore
+
+    lighthouse, address = start_lighthouse(cfg)
+    meeting = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # where the groups meet at the start
+    groups = []
+    try:
+        for group in range(cfg.trainer.replica_groups):
+            # torchft logs every quorum at INFO (a line per step and group): its warnings only, unless asked
+            env = {"RUST_LOG": "warn", **os.environ, REPLICA_GROUP_ENV: str(group), LIGHTHOUSE_ENV: address,
+                   START_STORE_ENV: f"127.0.0.1:{meeting.port}"}
+            groups.append(subprocess.Popen([sys.executable, "-u", "-P", "-m", "launcher.replicas", str(snapshot),
+                                            str(group)], env=env, preexec_fn=die_with_launcher))
+        stop = _forward_stops(groups)
+        codes = [group.wait() for group in groups]
+        stop()
+        if any(codes) and read_status(snapshot.parent).get("status") == "finished":
+            print(f"warning: replica group(s) {[g for g, c in enumerate(codes) if c]} failed for good; the others "
+                  f"finished the run", file=sys.stderr)
+            return 0
+        return max(codes, key=abs)
+    finally:
+        for group in groups:
+            if group.poll() is None:
+                group.kill()
+        lighthouse.kill()
+
+
+def _forward_stops(groups: list[subprocess.Popen]):
+    """SIGTERM and SIGINT go to every group's agent (each stops its ranks, which save); the old handlers after."""
+    def forward(signum, frame):
+        for group in groups:
+            if group.poll() is None:
+                group.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    return lambda: [signal.signal(s, h) for s, h in old.items()]
 
 
 class Local(Backend):
@@ -138,17 +198,9 @@ class Local(Backend):
                 yield
 
     def start(self, cfg: Config, run_dir: Path, snapshot: Path) -> int:
-        try:
-            launch_local(cfg, run_dir, snapshot)
-        except ChildFailedError as error:
-            print(f"error: training failed.\n{failure_report(error.failures)}", file=sys.stderr)
-            write_status(run_dir, "failed", error=failure_headline(error.failures))
-            return 1
-        except SignalException as error:
-            print(f"stopped by {error.sigval.name}; the workers were stopped. Run the same command again to resume "
-                  f"from the last checkpoint in {run_dir}.", file=sys.stderr)
-            sys.exit(128 + error.sigval.value)  # a signal stops a whole sweep too
-        return 0
+        if cfg.trainer.fault_tolerance == "replicas":
+            return launch_replica_groups(cfg, snapshot)
+        return run_workers(cfg, run_dir, snapshot)
 
     def holder_alive(self, lease: Lease) -> tuple[bool, str]:
         if lease.host != socket.gethostname():  # another machine's process: its renewals tell

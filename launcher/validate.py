@@ -6,6 +6,8 @@ fixes a bad command in one round instead of watching N ranks crash (or hang) one
 
 from __future__ import annotations
 
+import importlib.util
+
 import os
 import signal
 from pathlib import Path
@@ -318,6 +320,35 @@ def _check_same_run(cfg: Config, run_dir: Path, problems: list[str]) -> None:
         )
 
 
+def _check_fault_tolerance(cfg: Config, problems: list[str]) -> None:
+    """trainer.fault_tolerance=replicas where it holds today: ddp replica groups on one node, launched locally."""
+    t = cfg.trainer
+    if not _choice(problems, "trainer.fault_tolerance", t.fault_tolerance, ["none", "replicas"]) or t.fault_tolerance == "none":
+        return
+    fix = "or leave trainer.fault_tolerance out (a failure then restarts every rank from the last checkpoint)"
+    if t.replica_groups < 2:
+        problems.append(f"trainer.replica_groups={t.replica_groups}: fault tolerance needs at least 2 replica groups "
+                        f"(one keeps training while another restarts): set trainer.replica_groups=2 or more, {fix}.")
+        return
+    if t.strategy != "ddp" or t.tp > 1:
+        problems.append(f"trainer.fault_tolerance=replicas with trainer.strategy={t.strategy}"
+                        f"{f' trainer.tp={t.tp}' if t.tp > 1 else ''}: replica groups hold whole copies of the model "
+                        f"under ddp; sharded groups (fsdp/HSDP), tensor parallel and pipelines are not supported yet: "
+                        f"use trainer.strategy=ddp, {fix}.")
+    if procs_per_node(t) % t.replica_groups:
+        problems.append(f"trainer.replica_groups={t.replica_groups} must divide the processes per node "
+                        f"({procs_per_node(t)}): each group gets an equal share. Pick a divisor, {fix}.")
+    if t.nodes > 1 or cfg.launcher.name != "local":
+        problems.append(f"trainer.fault_tolerance=replicas runs on one node with launcher=local for now (the "
+                        f"Lighthouse and every group's agent on this machine); trainer.nodes={t.nodes} "
+                        f"launcher={cfg.launcher.name} is not supported yet: {fix}.")
+    if not 1 <= t.min_replicas <= t.replica_groups:
+        problems.append(f"trainer.min_replicas={t.min_replicas} must be between 1 and trainer.replica_groups="
+                        f"{t.replica_groups}: the groups a step needs.")
+    if importlib.util.find_spec("torchft") is None:
+        problems.append("trainer.fault_tolerance=replicas needs torchft: pip install -e '.[ft]'.")
+
+
 def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> None:
     """Raise ConfigError listing every problem with `cfg` (and its data and run directory)."""
     problems: list[str] = []
@@ -330,6 +361,7 @@ def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> Non
     if runs_here or backend.name != "local":
         backend.validate(cfg, problems)
     _check_training(cfg, problems)
+    _check_fault_tolerance(cfg, problems)
     before = len(problems)
     check_targets(cfg, problems)
     _check_strategy(cfg, problems, targets_ok=len(problems) == before)

@@ -93,6 +93,11 @@ class TrainerConfig:
     fsdp_replicate: int = 0  # fsdp: copies of the sharded model (HSDP, a 2-D mesh: shard within, all-reduce across); 0: one per node; 1: shard over all ranks
     meta_init: bool = True  # fsdp: build the model on the meta device and give each rank only its shards (same initial values); falls back to a full build where the model's init cannot be replayed
     fsdp_cpu_offload: bool = False  # fsdp on GPUs: keep parameters, gradients and optimizer state in host memory
+    # replicas: the data-parallel copies become torchft replica groups (docs/fault-tolerance.md): a failed group restarts
+    # alone and heals from a live one while the others train on; none: a failure restarts every rank from a checkpoint
+    fault_tolerance: str = "none"
+    replica_groups: int = 2  # replicas: groups the world is split into (each restarts on its own)
+    min_replicas: int = 1  # replicas: groups that must take part in a step (fewer: the step waits for one to return)
     bucket_cap_mb: int = 25  # DDP: size of the gradient buckets all-reduced while the backward pass goes on
     static_graph: bool = False  # DDP: the same parameters are used in every step (lets DDP skip per-step checks)
     grad_compression: str = "none"  # none | bf16 | fp16: all-reduce gradients in 16 bits (communication-bound runs)

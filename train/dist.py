@@ -41,6 +41,12 @@ class DistEnv:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def writes(self) -> bool:
+        """The process that writes the run's files (checkpoints, metrics, status, the console): rank 0, of replica
+        group 0 where the world is split into groups (train/fault_tolerance.py)."""
+        return self.rank == 0 and os.environ.get("REPLICA_GROUP_ID", "0") == "0"
+
 
 def resolve_backend(backend: str, gpus: int) -> str:
     """`auto` means NCCL when each process has a GPU, gloo otherwise."""

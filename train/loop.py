@@ -20,6 +20,7 @@ from train.checkpoint import BEST, BEST_DIR
 from train.checkpoint.run_state import save_checkpoint
 from train.data.build import build_eval_batches
 from train.evaluate import evaluate
+from train.fault_tolerance import ReplicaGroups, replica_group
 from train.observe.console import build_console, run_summary
 from train.observe.memory import log_memory
 from train.observe.metrics import build_metrics
@@ -103,7 +104,7 @@ def fit(run: Run) -> Outcome:
     console = build_console(env, cfg.trainer.progress, plan.stop_step, progress.step)
     metrics = build_metrics(env, cfg.loggers, tracked_run(run))
     hosts = distributed.gather_to_main(socket.gethostname(), run.control)  # where each rank runs, for the record
-    if env.is_main:
+    if env.writes:
         record = {**plan.to_dict(), "hosts": hosts, "threads_per_process": torch.get_num_threads()}
         (run.run_dir / PLAN_FILE).write_text(json.dumps(record, indent=2) + "\n")
     console.print(describe_plan(run))
@@ -128,6 +129,10 @@ def fit(run: Run) -> Outcome:
         result = evaluate_and_save(run, metrics, console)  # resumed at an epoch end whose evaluation never ran
 
     while progress.step < plan.stop_step:
+        if run.replicas.join_step():  # healed from a live replica group: its step, its weights
+            micro_batches = None
+            if progress.step >= plan.stop_step:
+                break
         epoch, offset = divmod(progress.step, plan.steps_per_epoch)
         if micro_batches is None or offset == 0:
             micro_batches = batches.epoch(epoch, start=offset * cfg.trainer.accumulate)
@@ -139,8 +144,11 @@ def fit(run: Run) -> Outcome:
         with compiling(run, "compiling the first step") if compiling_now else \
                 watchdog.phase("the first step") if first else contextlib.nullcontext(), \
                 saved or contextlib.nullcontext(), profiler.step(progress.step + 1):
-            train_step(run.strategy, run.task, micro_batches, run.optimizer, run.scheduler, run.scaler, run.autocast,
-                       cfg.trainer, meter, run.finite)
+            committed = train_step(run.strategy, run.task, micro_batches, run.optimizer, run.scheduler, run.scaler,
+                                   run.autocast, cfg.trainer, meter, run.finite, run.replicas)
+        if not committed:  # a replica group failed during the step: every group drops it and takes it again
+            micro_batches = None
+            continue
         progress.step += 1
         if progress.step == start + 1:  # this attempt's first step: the optimizer state exists now
             log_memory(run, metrics, console, progress.step, saved.bytes if saved else 0)
@@ -158,6 +166,7 @@ def fit(run: Run) -> Outcome:
                 "epoch": progress.step / plan.steps_per_epoch,
                 "restarts": restarts,
                 **({"skipped_steps": run.finite.skipped} if run.finite.policy == "skip" else {}),
+                **({"participants": run.replicas.participants} if isinstance(run.replicas, ReplicaGroups) else {}),
             }
             if profiler.covers(progress.step - cfg.trainer.log_every, progress.step):
                 values["profiled"] = 1.0  # these steps ran under the profiler: slower, and not a regression
@@ -177,6 +186,10 @@ def fit(run: Run) -> Outcome:
             break
 
     run.finite.check()
+    if (identical := run.replicas.identical(run.strategy.model)) is not None and env.rank == 0:
+        print(f"replica group {replica_group()}: weights {'identical to' if identical else 'DIFFERENT from'} the other "
+              f"groups' at step {progress.step} ({run.replicas.participants} taking part)", flush=True)
+    run.replicas.close()
     run.ckpt.close()  # a save still in flight is finished (and committed) before the run reports its end
     stop.close()
     if forward is not None:
@@ -185,10 +198,10 @@ def fit(run: Run) -> Outcome:
     metrics.close()
     if stopped:
         console.print(f"stopped at step {progress.step} with a checkpoint; run the same command again to resume")
-        if env.is_main:
+        if env.writes:
             write_status(run.run_dir, "stopped", step=progress.step)
         return Outcome("stopped", progress.step, result, signal=stop.signal_name)
-    if env.is_main:
+    if env.writes:
         write_status(run.run_dir, "finished", step=progress.step, **{f"eval_{k}": v for k, v in result.items()})
     if not result:
         console.print(f"nothing to do: the run already reached step {progress.step} of {plan.stop_step}")

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from train.fault_tolerance import groups, replica_group
 from train.parallel.layout import layout_of
 from train.config import OptimConfig, TrainConfig
 
@@ -34,14 +35,22 @@ def scaled_lr(cfg: OptimConfig, global_batch: int) -> float:
 
 
 def replicas(cfg: TrainConfig, world_size: int) -> int:
-    """How many processes read different samples: the layout's data-parallel degree (a pipeline's stages and a
-    tensor-parallel group read one share; HSDP's copies do not change it, so any node count will do here)."""
-    return layout_of(cfg.trainer, world_size, world_size).dp
+    """How many processes of the whole job (`world_size`) read different samples: the layout's data-parallel degree
+    (a pipeline's stages and a tensor-parallel group read one share; HSDP's copies do not change it, so any node
+    count will do here), in each replica group (train/fault_tolerance.py)."""
+    per_group = world_size // groups(cfg.trainer)
+    return layout_of(cfg.trainer, per_group, per_group).dp * groups(cfg.trainer)
 
 
 def replica_rank(cfg: TrainConfig, env) -> int:
-    """Which share of the samples this process reads."""
-    return layout_of(cfg.trainer, env.world_size, env.local_world_size).dp_rank(env.rank)
+    """Which share of the samples this process reads (`env`: its replica group's world)."""
+    layout = layout_of(cfg.trainer, env.world_size, env.local_world_size)
+    return replica_group() * layout.dp + layout.dp_rank(env.rank)
+
+
+def job_world(cfg: TrainConfig, env) -> int:
+    """The processes of the whole job: this replica group's world times the groups."""
+    return env.world_size * groups(cfg.trainer)
 
 
 def train_size(dataset, cfg: TrainConfig) -> int:

@@ -26,13 +26,14 @@ from train.data.in_memory import stage
 from train.data.sets import Datasets, build_datasets
 from train.data.source import TrainSource
 from train.dist import DistEnv
+from train.fault_tolerance import Alone, ReplicaGroups, build_replicas
 from train.finite import FiniteWatch
 from train.host import freeze_imported_objects, keep_freed_memory
 from train.loop import Outcome, fit
 from train.observe.hang import HangReports, flight_recorder_env
 from train.observe.throughput import flops_per_token
 from train.observe.watchdog import Watchdog
-from train.optim import Plan, build_scheduler, make_plan, replica_rank, replicas, train_size
+from train.optim import Plan, build_scheduler, job_world, make_plan, replica_rank, replicas, train_size
 from train.parallel.meta_init import materialise
 from train.parallel.strategies import build_strategy
 from train.parallel.strategy import Strategy, memory_format, place
@@ -50,7 +51,7 @@ def main(config_path: str | Path) -> Outcome:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s"))
     log.addHandler(handler)  # the trainer's own loggers only: the host program's logging stays its own
-    log.setLevel(logging.INFO if env.is_main else logging.WARNING)
+    log.setLevel(logging.INFO if env.writes else logging.WARNING)
     torch.set_num_threads(cfg.trainer.threads or distributed.default_threads(env))
     device = distributed.pick_device(env, cfg.trainer.gpus)
     set_matmul_precision(cfg.trainer.precision, cfg.trainer.tf32, device)
@@ -108,6 +109,7 @@ class Run:
     batches: TrainSource  # this rank's training batches
     flops_per_token: float  # the model's training FLOPs per token, if it says (for MFU); else 0
     finite: FiniteWatch  # the first step whose loss was NaN or inf (trainer.nonfinite)
+    replicas: Alone | ReplicaGroups  # the other replica groups (trainer.fault_tolerance=replicas), or none
     startup_peak_bytes: int = 0  # this process's peak host memory once built (the model, its shards, a checkpoint)
     evaluations: int = 0  # evaluations run by this process (under trainer.compile, the first one compiles)
 
@@ -117,8 +119,8 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     """`saving`: the gloo group of the checkpoint collectives (a background save's own, apart from `control`).
     Each part is a start-up phase of the watchdog: minutes at scale, never taken for a hang while it progresses."""
     with watchdog.phase("preparing the data"):
-        data = stage(build_datasets(cfg.data, replica_rank(cfg, env), replicas(cfg, env.world_size)), device)
-    plan = make_plan(cfg, env.world_size, train_size(data.train, cfg))
+        data = stage(build_datasets(cfg.data, replica_rank(cfg, env), replicas(cfg, job_world(cfg, env))), device)
+    plan = make_plan(cfg, job_world(cfg, env), train_size(data.train, cfg))
     task = build_task(cfg)
     with watchdog.phase("building the model"):
         model, recipes = build_initial_model(cfg)
@@ -138,18 +140,40 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     seed_rank(cfg.trainer.seed + env.rank // strategy.layout.tp)
 
     saving = saving or control
-    ckpt = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint, is_writer=env.is_main,
+    ckpt = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint, is_writer=env.writes, lists=env.is_main,
                              fmt=checkpoint_format(cfg), group=saving, watchdog=watchdog, local_rank=env.local_rank)
     with watchdog.phase("loading the checkpoint"):
         progress, state = resume(ckpt, cfg, env, strategy, optimizer, scheduler, scaler, plan)
-    batches = build_train_source(cfg.data, data.train, strategy.replica_rank, strategy.replicas, cfg.trainer.seed,
+    batches = build_train_source(cfg.data, data.train, replica_rank(cfg, env), plan.replicas, cfg.trainer.seed,
                                  plan.steps_per_epoch * cfg.trainer.accumulate, device, fmt)
     if state is not None and state["world_size"] == plan.world_size and state["global_batch"] == plan.global_batch:
         batches.load_state_dict((ckpt.rank_state(state, env.rank) or {}).get("data"))
+    replica_groups = build_replicas(cfg.trainer, *peer_state(strategy, optimizer, scheduler, scaler, progress),
+                                    timeout_s=cfg.trainer.timeout_s, world_size=env.world_size)
     return Run(
         cfg, run_dir, env, device, data, task, plan, strategy, fmt, optimizer, scheduler, scaler,
         build_autocast(cfg.trainer.precision, device), ckpt, progress, resumed=state is not None, control=control,
         watchdog=watchdog, batches=batches, flops_per_token=flops,
-        finite=FiniteWatch(device, progress.step, cfg.trainer.nonfinite),
+        finite=FiniteWatch(device, progress.step, cfg.trainer.nonfinite), replicas=replica_groups,
         startup_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: kB
     )
+
+
+def peer_state(strategy: Strategy, optimizer, scheduler, scaler, progress: Progress):
+    """What a replica group that heals takes from a live one, and how it puts it back (train/fault_tolerance.py):
+    the model, the optimizer, the schedule, the scaler and the step, in memory."""
+
+    def state_dict() -> dict:
+        return {"model": strategy.model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "step": progress.step}
+
+    def load_state_dict(state: dict) -> None:
+        strategy.model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        progress.step = state["step"]
+        log.warning("healed from a live replica group: at step %d", progress.step)
+
+    return state_dict, load_state_dict
+

@@ -22,6 +22,7 @@ from train.config import TrainerConfig
 from train.parallel.strategy import Strategy, call_model
 from train.finite import FiniteWatch
 from train.observe.throughput import token_figures
+from train.fault_tolerance import Alone
 from train.tasks import first_tensor as samples_of_batch, weighing
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -224,11 +225,14 @@ def train_step(
     cfg: TrainerConfig,
     meter: Meter,
     finite: FiniteWatch,
-) -> None:
+    replicas=None,
+) -> bool:
     """The loss of a step is the sum of every counted item's loss over the global batch, divided by their number
     (train/tasks.py): each micro-batch's summed loss is scaled by replicas / global count, so that the gradients,
     averaged over replicas and added over micro-batches, are those of the global mean. The micro-batches are read
-    first: their count is needed before the first backward."""
+    first: their count is needed before the first backward. With replica groups (train/fault_tolerance.py) the
+    gradients are then averaged over the groups taking part, and the step is taken only if they all commit it:
+    whether it was is the return value."""
     start = time.perf_counter()
     micro_batches = [task.split(next(batches)) for _ in range(cfg.accumulate)]
     meter.data_time += time.perf_counter() - start
@@ -249,7 +253,11 @@ def train_step(
             inputs, targets, loss=lambda output, targets: loss_sum(output, targets) * scale, sync=last,
             autocast=autocast, scaler=scaler, call=model_call(task),
         )
-    if finite.add(step_loss):
+    replicas = replicas or Alone()
+    replicas.average_gradients(strategy.model.parameters())
+    finite_loss = finite.add(step_loss)
+    committed = replicas.commit()  # every group asks, whatever its own loss: the answer is the quorum's
+    if finite_loss and committed:
         meter.add(step_loss)
         if cfg.grad_clip > 0:
             scaler.unscale_(optimizer)
@@ -257,5 +265,7 @@ def train_step(
         scaler.step(optimizer)
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    if committed:
+        scheduler.step()
     meter.timed_steps += 1
+    return committed

@@ -15,6 +15,9 @@ restart runs clean):
                 FAULT_DELAY_MS (default 50) each (every attempt: a slow file system, not a crash), both formats
   FAULT=stuck_io  in the first attempt, the first checkpoint shard this rank writes (a DCP .distcp file) stops after
                 its first chunk and never returns (a stuck file system)
+  FAULT_GROUP=G   with replica groups (trainer.fault_tolerance=replicas): the fault acts in group G only
+  STEP_DELAY_MS   every optimizer step of every rank, in every attempt, takes this much longer (a slower model),
+                  beside any FAULT
   FAULT=trace_io  every checkpoint stream of this rank (of every rank with FAULT_RANK=all) is printed as it opens:
                 "[io rank R] writing step_00000003/__0_0.distcp" (what each rank reads, writes and hashes); slow_io
                 prints them too
@@ -76,6 +79,7 @@ elif (
     os.environ.get("FAULT") not in (None, "", "kill_in_save", "slow_commit", "slow_io", "stuck_io")
     and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0")
     and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    and os.environ.get("REPLICA_GROUP_ID", "0") == os.environ.get("FAULT_GROUP", os.environ.get("REPLICA_GROUP_ID", "0"))
 ):
     import signal
     import threading
@@ -150,3 +154,18 @@ if os.environ.get("FAULT") == "kill_in_save" and os.environ.get("RANK") == os.en
         return commit(directory, meta, files)
 
     train.checkpoint.dcp.commit = killing_commit
+
+
+if os.environ.get("STEP_DELAY_MS") and os.environ.get("RANK") is not None:
+    import threading
+
+    import train.step
+
+    _step, _step_delay = train.step.train_step, int(os.environ["STEP_DELAY_MS"]) / 1000
+
+    def delayed_train_step(*args, **kwargs):
+        threading.Event().wait(_step_delay)
+        return _step(*args, **kwargs)
+
+    train.step.train_step = delayed_train_step
+

@@ -51,10 +51,13 @@ class CheckpointManager:
     `local_rank`: the first rank of each node (0) verifies a single file for its node."""
 
     def __init__(self, directory: Path, cfg: CheckpointConfig, is_writer: bool, fmt: str = "file", group=None,
-                 watchdog=Unwatched, local_rank: int = 0):
+                 watchdog=Unwatched, local_rank: int = 0, lists: bool | None = None):
+        """`lists`: this rank lists the checkpoints for its group at resume (default: the writer; with replica
+        groups, rank 0 of every group, which reads but never writes)."""
         self.directory = directory
         self.cfg = cfg
         self.is_writer = is_writer
+        self.lists = is_writer if lists is None else lists
         self.format = fmt  # file | dcp: what save() writes (catalog.FORMATS)
         self.group = group
         self.watchdog = watchdog
@@ -185,7 +188,7 @@ class CheckpointManager:
         step directory, the small trainer state; its tensors are read by `read_tensors`). A damaged or unsafe one
         is reported and moved aside as *.damaged (kept for inspection, out of the way of resume and pruning); an
         error that is not damage (memory, I/O) stops here and leaves the files alone."""
-        candidates = [str(c.path) for c in reversed(self.committed())] if self.is_writer else []
+        candidates = [str(c.path) for c in reversed(self.committed())] if self.lists else []
         with self.waiting("waiting for rank 0 to list the checkpoints"):
             candidates = broadcast_from_main(candidates, self.group)
         for name in candidates:

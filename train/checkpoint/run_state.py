@@ -12,6 +12,7 @@ from train.checkpoint.state import Progress, build_state, own_state, restore_sta
 from train.checkpoint.weights import read_weights
 from train.config import to_dict
 from train.dist import DistEnv
+from train.fault_tolerance import replica_group
 
 if TYPE_CHECKING:
     from train.run import Run
@@ -23,7 +24,7 @@ def resume_state(ckpt: CheckpointManager, env: DistEnv) -> dict | None:
     """The state of the newest checkpoint that loads, on every rank (see CheckpointManager.choose); None for a
     fresh start. Each stream read is watched against checkpoint.io_timeout_s; waits on other ranks' reading are not
     hangs."""
-    if env.is_main and not ckpt.cfg.resume:
+    if env.writes and not ckpt.cfg.resume:
         refuse_fresh_start_over(ckpt.directory.parent)
     if not ckpt.cfg.resume:
         return None
@@ -58,6 +59,8 @@ def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
     alone while the others wait for it (its stream watched, see the manager)."""
     step, started = run.progress.step, time.perf_counter()
     run.finite.check("no checkpoint is written and the run stops")
+    if replica_group() != 0:  # replica groups (train/fault_tolerance.py): group 0 writes the run's checkpoints
+        return
     if run.ckpt.saved_step == step:
         if is_best:
             run.ckpt.wait()  # best/ links the files of the step being written

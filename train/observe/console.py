@@ -157,7 +157,7 @@ PROGRESS_MODES = ("auto", "bar", "lines", "off")
 
 
 def build_console(env: DistEnv, mode: str, total_steps: int, start_step: int):
-    if not env.is_main or mode == "off":
+    if not env.writes or mode == "off":
         return NullConsole()
     if mode == "bar" or (mode == "auto" and sys.stdout.isatty()):
         return BarConsole(total_steps, start_step)

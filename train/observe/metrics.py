@@ -84,7 +84,7 @@ class NullMetrics:
 
 def build_metrics(env: DistEnv, loggers: dict, run: TrackedRun) -> Metrics | NullMetrics:
     """Rank 0's metrics.jsonl and trackers (config `loggers`: name -> node with a _target_, built with run=)."""
-    if not env.is_main:
+    if not env.writes:
         return NullMetrics()
     from train.build import instantiate
 

@@ -41,6 +41,9 @@ def describe_plan(run: Run) -> str:
     )
     if run.device.type == "cuda" and cfg.trainer.precision == "32":
         text += ", TF32 matmuls" if uses_tf32("32", cfg.trainer.tf32, run.device) else ", fp32 matmuls (trainer.tf32=false)"
+    if cfg.trainer.fault_tolerance == "replicas":
+        text += (f", fault tolerance: {cfg.trainer.replica_groups} replica groups of {run.env.world_size} (torchft; a step "
+                 f"needs {cfg.trainer.min_replicas})")
     if plan.stop_step < plan.total_steps:
         text += f", stopping at step {plan.stop_step}"
     if run.resumed:

@@ -1,0 +1,86 @@
+"""trainer.fault_tolerance=replicas: replica groups under torchft (real processes, gloo, torchft's real Lighthouse).
+A killed group restarts alone and heals from the live one, which never goes back a step; a group that never returns
+leaves the others to finish; a whole-job restart still resumes from the disk checkpoint; and what cannot hold is
+refused before start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAULTS_DIR, IDENTITY, final_checkpoint, read_metrics
+
+pytest.importorskip("torchft")
+
+GROUPS = [*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.fault_tolerance=replicas"]
+
+
+def killed(group: int, step: int, delay_ms: int = 100) -> dict:
+    """Group `group`'s rank 0 SIGKILLs itself at its step `step`; every step takes `delay_ms` longer (tests/faults)."""
+    return {"PYTHONPATH": str(FAULTS_DIR), "FAULT": "kill", "FAULT_GROUP": str(group), "FAULT_RANK": "0",
+            "FAULT_STEP": str(step), "STEP_DELAY_MS": str(delay_ms)}
+
+
+def train_steps(run_dir) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"]
+
+
+def test_two_replica_groups_train_as_ddp_does_while_both_take_part(tmp_path, launch, two_process_ddp):
+    proc = launch(*GROUPS, f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0
+    assert "fault tolerance: 2 replica groups of 1 (torchft; a step needs 1)" in proc.stdout
+    ours, ddp = final_checkpoint(tmp_path / "run"), final_checkpoint(two_process_ddp)
+    assert ours["step"] == ddp["step"] == 24
+    for name, tensor in ddp["model"].items():  # the groups' mean gradient is the global batch's, as under ddp
+        assert torch.allclose(ours["model"][name], tensor, rtol=0, atol=1e-6), name
+    assert all(r["participants"] == 2 for r in read_metrics(tmp_path / "run") if r["kind"] == "train")
+
+
+def test_a_killed_group_restarts_heals_from_the_live_one_and_both_end_identical(tmp_path, launch):
+    run_dir = tmp_path / "run"
+    proc = launch(*GROUPS, "trainer.max_steps=48", "trainer.log_every=2", "launcher.max_restarts=1",
+                  f"hydra.run.dir={run_dir}", env=killed(group=1, step=10))
+    assert proc.returncode == 0
+    steps = train_steps(run_dir)  # logged by group 0, which was never stopped
+    assert steps == sorted(set(steps)) and steps[-1] == 48  # it never went back a step
+    participants = [r["participants"] for r in read_metrics(run_dir) if r["kind"] == "train"]
+    assert 1 in participants and participants[-1] == 2  # it trained alone for a while, then with the healed group
+    healed = [line for line in proc.stderr.splitlines() if "healed from a live replica group: at step" in line]
+    assert len(healed) == 1
+    healed_at = int(healed[0].split()[-1])
+    assert 10 <= healed_at  # the returning group took the live step: nothing it had done was redone
+    for group in (0, 1):
+        assert f"replica group {group}: weights identical to the other groups' at step 48 (2 taking part)" in proc.stdout
+
+
+def test_a_group_that_never_returns_leaves_the_other_to_finish(tmp_path, launch):
+    run_dir = tmp_path / "run"
+    proc = launch(*GROUPS, "launcher.max_restarts=0", f"hydra.run.dir={run_dir}", env=killed(group=1, step=5))
+    assert proc.returncode == 0
+    assert "replica group(s) [1] failed for good; the others finished the run" in proc.stderr
+    assert final_checkpoint(run_dir)["step"] == 24
+    assert [r["participants"] for r in read_metrics(run_dir) if r["kind"] == "train"][-1] == 1
+
+
+def test_a_whole_job_restart_resumes_both_groups_from_the_disk_checkpoint(tmp_path, launch):
+    run_dir = tmp_path / "run"
+    first = launch(*GROUPS, "trainer.max_steps=12", "checkpoint.every_steps=4", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0 and final_checkpoint(run_dir)["step"] == 12
+    again = launch(*GROUPS, "trainer.max_steps=24", f"hydra.run.dir={run_dir}")
+    assert again.returncode == 0
+    assert "resumed at step 12" in again.stdout and final_checkpoint(run_dir)["step"] == 24
+    assert "replica group 1: weights identical to the other groups' at step 24 (2 taking part)" in again.stdout
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.strategy=fsdp"], "trainer.fault_tolerance=replicas with trainer.strategy=fsdp"),
+    (["trainer.strategy=pipeline"], "trainer.fault_tolerance=replicas with trainer.strategy=pipeline"),
+    (["trainer.replica_groups=1"], "trainer.replica_groups=1: fault tolerance needs at least 2 replica groups"),
+    (["trainer.procs_per_node=3"], "trainer.replica_groups=2 must divide the processes per node (3)"),
+    (["trainer.min_replicas=3"], "trainer.min_replicas=3 must be between 1 and trainer.replica_groups=2"),
+    (["trainer.fault_tolerance=groups"], "trainer.fault_tolerance"),
+])
+def test_what_replica_groups_cannot_do_is_refused_before_start(tmp_path, launch, overrides, message):
+    proc = launch(*GROUPS, *overrides, f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and message in proc.stderr
+    assert "plan:" not in proc.stdout

@@ -1,0 +1,153 @@
+"""Per-step fault tolerance across replica groups (trainer.fault_tolerance=replicas), with torchft.
+
+The world is split into trainer.replica_groups groups, each a torch.distributed world of its own (its own agent,
+its own env:// variables, REPLICA_GROUP_ID and TORCHFT_LIGHTHOUSE from the launcher) that trains a whole copy of
+the model under ddp. Across groups, torchft's Manager forms a quorum before every step (the Lighthouse), averages
+the gradients over the groups that take part, and commits the step only if all of them got through it. A group
+that fails restarts alone, from the run's last checkpoint, and heals from a live group at its first quorum (the
+model, optimizer, schedule and step sent over, not read from disk), while the others never stop.
+
+While a group is missing, its share of each global batch is skipped, not redistributed: the step's gradient is the
+mean over the samples of the groups present (the global batch shrinks by their share; the lr is unchanged).
+Determinism: a run is bitwise the uninterrupted one only while every group takes part; after a failure the
+replicas are identical to each other (checked at the end), not to a run that never failed.
+
+`Alone` is the null object of a run without replica groups: one group, every step committed, nothing to send.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+
+import torch
+
+REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"  # torchft's name for it; the launcher sets it for each group's agent
+START_STORE_ENV = "REPLICA_GROUPS_STORE"  # HOST:PORT of the launcher's store where the groups meet before step 1
+
+log = logging.getLogger("train")
+
+
+def groups(trainer) -> int:
+    """How many replica groups the world is split into (1 without fault tolerance)."""
+    return trainer.replica_groups if trainer.fault_tolerance == "replicas" else 1
+
+
+def replica_group() -> int:
+    """This process's replica group (0 without fault tolerance)."""
+    return int(os.environ.get(REPLICA_GROUP_ENV, "0"))
+
+
+class Alone:
+    """No replica groups: every step is committed; nothing is exchanged."""
+
+    participants = 1
+
+    def join_step(self) -> bool:
+        return False
+
+    def average_gradients(self, parameters) -> None:
+        pass
+
+    def commit(self) -> bool:
+        return True
+
+    def identical(self, model: torch.nn.Module) -> bool | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class ReplicaGroups:
+    """This rank's seat in the replica groups: rank r of a group exchanges with rank r of every other group."""
+
+    def __init__(self, trainer, state_dict, load_state_dict, timeout_s: float, world_size: int):
+        from torchft import Manager, ProcessGroupGloo
+
+        self.group = replica_group()
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)),
+            min_replica_size=trainer.min_replicas,
+            state_dict=state_dict,
+            load_state_dict=self._heal,
+            replica_id=f"group{self.group}",
+            use_async_quorum=False,  # a returning group heals before its step's forward, not during it
+            init_sync=False,  # every group builds the same initial weights (seeded) or resumes the same checkpoint
+            timeout=timedelta(seconds=timeout_s),
+            quorum_timeout=timedelta(seconds=timeout_s),
+        )
+        self._load, self._healed = load_state_dict, False
+        # Every group joins before the first quorum: a group still starting would be left out of it, and the first
+        # one to start would train alone and heal the others (or finish before they start).
+        meet_every_group(trainer.replica_groups * world_size, timeout_s)
+
+    def _heal(self, state) -> None:
+        self._load(state)
+        self._healed = True
+
+    @property
+    def participants(self) -> int:
+        return self.manager.num_participants()
+
+    def join_step(self) -> bool:
+        """The quorum of this step; True if this group healed from a live one (its state replaced: the step moved)."""
+        self._healed = False
+        self.manager.start_quorum()
+        return self._healed
+
+    def average_gradients(self, parameters) -> None:
+        """The mean of each gradient over the groups taking part (one flat buffer, one all-reduce)."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def commit(self) -> bool:
+        """Whether every group of the quorum got through this step (else it is dropped everywhere)."""
+        return self.manager.should_commit()
+
+    def identical(self, model: torch.nn.Module) -> bool:
+        """Whether the groups taking part hold the same weights (each parameter's sum, averaged over the groups:
+        equal to this group's own exactly when every group's is the same)."""
+        with torch.no_grad():
+            sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
+            mean = sums.clone()
+            self.manager.start_quorum()
+            self.manager.allreduce(mean).wait()
+        return bool(torch.equal(mean, sums))
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def meet_every_group(ranks: int, timeout_s: float) -> None:
+    """Wait until `ranks` processes (every rank of every group) have started, at the launcher's store; a group that
+    restarts later finds the count reached and goes on."""
+    address = os.environ.get(START_STORE_ENV)
+    if not address:
+        return
+    host, _, port = address.rpartition(":")
+    store = torch.distributed.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                                       wait_for_workers=False)
+    store.add("started", 1)
+    deadline = time.monotonic() + timeout_s
+    while (started := store.add("started", 0)) < ranks:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{started} of the {ranks} ranks of the replica groups started within "
+                               f"{timeout_s:.0f} s (trainer.timeout_s): a group failed to start; see its output.")
+        time.sleep(0.05)
+
+
+def build_replicas(trainer, state_dict, load_state_dict, timeout_s: float, world_size: int):
+    """The replica groups of trainer.fault_tolerance=replicas (`world_size`: one group's), or Alone."""
+    if groups(trainer) == 1:
+        return Alone()
+    return ReplicaGroups(trainer, state_dict, load_state_dict, timeout_s, world_size)
