@@ -34,7 +34,6 @@ from train.observe.hang import HangReports, flight_recorder_env
 from train.observe.throughput import flops_per_token
 from train.observe.watchdog import Watchdog
 from train.optim import Plan, build_scheduler, job_world, make_plan, replica_rank, replicas, train_size
-from train.parallel.meta_init import materialise
 from train.parallel.strategies import build_strategy
 from train.parallel.strategy import Strategy, memory_format, place
 from train.step import build_autocast, set_matmul_precision
@@ -131,6 +130,8 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     with watchdog.phase("placing and sharding the model"):
         strategy = build_strategy(model if recipes else place(model, device, fmt), cfg.trainer, env, device)
     if recipes:
+        from train.parallel.meta_init import materialise  # DTensor: 0.4 s of every rank's start, fsdp's only
+
         with watchdog.phase("materialising the model"):
             materialise(strategy.model, recipes, strategy.parameter_device, progress=watchdog.progressed)
     optimizer = build_optimizer(cfg.optim, strategy.model, plan.lr)
