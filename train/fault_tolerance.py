@@ -99,8 +99,10 @@ class ReplicaGroups:
         return self._healed
 
     def average_gradients(self, parameters) -> None:
-        """The mean of each gradient over the groups taking part (one flat buffer, one all-reduce)."""
-        grads = [p.grad for p in parameters if p.grad is not None]
+        """The mean of each gradient over the groups taking part (one flat buffer, one all-reduce). Under fsdp a
+        rank holds its shard of each gradient, and rank r of every group holds the same shard: the shards are
+        averaged, rank with rank."""
+        grads = [local(p.grad) for p in parameters if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -118,7 +120,7 @@ class ReplicaGroups:
         """Whether the groups taking part hold the same weights (each parameter's sum, averaged over the groups:
         equal to this group's own exactly when every group's is the same)."""
         with torch.no_grad():
-            sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
+            sums = torch.stack([local(p.detach()).double().sum() for p in model.parameters()])
             mean = sums.clone()
             self.manager.start_quorum()
             self.manager.allreduce(mean).wait()
@@ -126,6 +128,11 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient: a DTensor's local shard (fsdp), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def meet_every_group(ranks: int, timeout_s: float) -> None:
