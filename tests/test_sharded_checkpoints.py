@@ -125,6 +125,18 @@ def test_sigkill_during_an_asynchronous_save_resumes_from_the_previous_commit_bi
         assert torch.equal(resumed["model"][name], value), f"{name} differs after resume"
 
 
+def test_the_next_save_waits_for_an_asynchronous_one_still_committing_instead_of_deadlocking(straight, tmp_path):
+    """A save every step while rank 0's background commit of the previous one is slow: the next save's gathers ran
+    on the group the background thread was still using (rank 1's thread in the commit barrier, its main thread in
+    the next gather; rank 0 the other way round): the ranks hung (seen in CI under load, 300 s)."""
+    run_dir = tmp_path / "run"
+    env = {**fault_env("slow_commit", rank=0), "FAULT_DELAY_MS": "1500"}
+    proc = run_cli("launcher", *BASE, *FSDP2, "checkpoint.async_save=true", "checkpoint.every_steps=1",
+                   "trainer.max_steps=4", f"hydra.run.dir={run_dir}", cwd=run_dir.parent, env=env, timeout=120)
+    assert proc.returncode == 0
+    assert [c.step for c in committed(checkpoint_dir(run_dir))] == [1, 2, 3, 4]
+
+
 def test_export_of_a_sharded_run_loads_strictly_and_evaluates_as_the_run_did(straight, tmp_path):
     from train.build import build_model, build_task
     from train.config import load_config

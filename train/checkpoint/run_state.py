@@ -66,6 +66,9 @@ def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
             run.ckpt.wait()  # best/ links the files of the step being written
             run.ckpt.mark_best(step)
         return
+    # A background save still in flight runs its collectives (the commit's barrier) on the group the gathers below
+    # use: two threads' collectives on one group pair up out of order and the ranks hang. It ends first.
+    run.ckpt.wait()
     own, sharded = own_state(run.batches), run.ckpt.format == "dcp"
     tensors, plain = sharded_parts(run.strategy, run.optimizer, run.ckpt.group) if sharded else (None, None)
     state = build_state(
