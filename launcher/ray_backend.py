@@ -21,7 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from launcher.backend import Backend, check_run_dir_free
-from launcher.lease import Lease, flock, take_lease
+from launcher.lease import Lease, flock, release, take_lease
 from launcher.schema import Config
 from train.observe.status import read_status, write_status
 from train.parallel.layout import procs_per_node
@@ -196,7 +196,7 @@ class Ray(Backend):
                 metadata={"run_dir": str(run_dir)},
             )
         except Exception as error:  # noqa: BLE001 - refused for any reason: the directory is free again
-            (run_dir / "lease.json").unlink(missing_ok=True)
+            release(run_dir, lease.key)
             print(f"error: the Ray cluster at {address} refused the job: {error}", file=sys.stderr)
             write_status(run_dir, "failed", error=f"the Ray cluster refused the job: {error}")
             return 2
@@ -224,6 +224,7 @@ class Ray(Backend):
                 for r in recorded_jobs(run_dir)]
 
     def logs(self, run_dir: Path, task: int, err: bool) -> str | None:
+        """The newest job's log: one stream, every node's output in it (Ray prefixes each line with its actor)."""
         jobs = recorded_jobs(run_dir)
         if not jobs:
             return None

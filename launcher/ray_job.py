@@ -133,8 +133,11 @@ class Driver:
         while True:
             code, what = self.attempt(restarts)
             print(f"attempt {restarts}: {what}", flush=True)
-            if code == 0 or self.stop_asked or read_status(self.run_dir).get("status") in ("finished", "stopped"):
-                return code if not self.stop_asked else (0 if read_status(self.run_dir).get("status") == "stopped" else code)
+            status = read_status(self.run_dir).get("status")
+            if self.stop_asked:  # the ranks saved and stopped: a clean stop, whatever the agents' exit codes
+                return 0 if status == "stopped" else code
+            if code == 0 or status == "finished":
+                return code
             if code == 65:  # the loss turned NaN or inf (train/finite.py): a restart would reach it again
                 return code
             if restarts >= limit:

@@ -10,8 +10,6 @@ import torch
 
 from conftest import FAULTS_DIR, IDENTITY, final_checkpoint, read_metrics
 
-pytest.importorskip("torchft")
-
 GROUPS = [*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.fault_tolerance=replicas"]
 
 
