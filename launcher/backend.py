@@ -8,12 +8,14 @@ stops a run. A new backend is one new module and one line in BACKENDS.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launcher.lease import Lease, check_free
+from launcher.lease import Lease, check_free, flock
 from launcher.schema import Config
 
 BACKENDS = {"local": "launcher.local:Local", "slurm": "launcher.slurm:Slurm", "ray": "launcher.ray_backend:Ray"}
@@ -59,6 +61,21 @@ class Backend:
     def cancel_jobs(self, run_dir: Path, held: set[str]) -> list[str]:
         """Stop the jobs of `run_dir` still active (other than those in `held`, stopped by their lease); in words."""
         return []
+
+
+class SubmittingBackend(Backend):
+    """A backend that submits the run as a job (SLURM, Ray), which holds the run directory from then on: the launch
+    holds it only to check it, submit and write the job's lease."""
+
+    runs_here = False
+
+    @contextlib.contextmanager
+    def hold(self, cfg: DictConfig, run_dir: Path):
+        with flock(run_dir, fcntl.LOCK_EX, f"hydra.run.dir={run_dir}"):
+            taken_over = check_run_dir_free(run_dir, key="")
+            if taken_over:
+                print(taken_over, file=sys.stderr)
+            yield
 
 
 def get_backend(name: str) -> Backend:

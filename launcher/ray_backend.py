@@ -10,7 +10,6 @@ as on SLURM. Every submission is recorded in RUN_DIR/ray/jobs.jsonl for `python 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import sys
@@ -18,10 +17,9 @@ import time
 import uuid
 from pathlib import Path
 
-from omegaconf import DictConfig
 
-from launcher.backend import Backend, check_run_dir_free
-from launcher.lease import Lease, flock, release, take_lease
+from launcher.backend import SubmittingBackend
+from launcher.lease import Lease, release, take_lease
 from launcher.schema import Config
 from train.observe.status import read_status, write_status
 from train.parallel.layout import procs_per_node
@@ -132,11 +130,10 @@ def job_status(job_id: str, address: str) -> str:
         return "UNKNOWN"
 
 
-class Ray(Backend):
+class Ray(SubmittingBackend):
     """One Ray job; it owns the run directory from submission until it ends."""
 
     name = "ray"
-    runs_here = False
 
     def validate(self, cfg: Config, problems: list[str]) -> None:
         try:
@@ -163,15 +160,6 @@ class Ray(Backend):
             problems.append(f"launcher=ray uploads the working directory {root}, but cannot read {unreadable[:3]}: make "
                             f"them readable, or leave them out with launcher.excludes=[{unreadable[0]}].")
         check_cluster(cfg, address, problems)
-
-    @contextlib.contextmanager
-    def hold(self, cfg: DictConfig, run_dir: Path):
-        # Held for the launch only (check, submit, write the job's lease); the job then holds the lease itself.
-        with flock(run_dir, fcntl.LOCK_EX, f"hydra.run.dir={run_dir}"):
-            taken_over = check_run_dir_free(run_dir, key="")
-            if taken_over:
-                print(taken_over, file=sys.stderr)
-            yield
 
     def start(self, cfg: Config, run_dir: Path, snapshot: Path) -> int:
         """Submit one job and return at once (or, with launcher.wait=true, when it ends)."""

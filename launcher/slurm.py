@@ -16,7 +16,6 @@ ignores SIGTERM, so that it does not end the job while the tasks save.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -30,8 +29,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launcher.backend import Backend, check_run_dir_free
-from launcher.lease import Lease, Renewer, flock, read_lease, take_lease
+from launcher.backend import SubmittingBackend
+from launcher.lease import Lease, Renewer, read_lease, take_lease
 from launcher.schema import Config
 from train.files import replace_text
 from train.observe.status import read_status, write_status
@@ -294,11 +293,10 @@ def _slurm(*args: str) -> list[str]:
     return out.stdout.split()
 
 
-class Slurm(Backend):
+class Slurm(SubmittingBackend):
     """One SLURM job through submitit; it owns the run directory from submission until it ends for good."""
 
     name = "slurm"
-    runs_here = False
 
     def adjust(self, cfg: DictConfig) -> None:
         if f"SIG{cfg.launcher.signal}" not in cfg.trainer.stop_signals:
@@ -349,15 +347,6 @@ class Slurm(Backend):
         except (RuntimeError, subprocess.TimeoutExpired) as error:
             problems.append(f"launcher=slurm: cannot reach the SLURM controller ({error}); check SLURM_CONF and that "
                             f"slurmctld runs.")
-
-    @contextlib.contextmanager
-    def hold(self, cfg: DictConfig, run_dir: Path):
-        # Held for the launch only (check, submit, write the job's lease); the job then holds the lease itself.
-        with flock(run_dir, fcntl.LOCK_EX, f"hydra.run.dir={run_dir}"):
-            taken_over = check_run_dir_free(run_dir, key="")
-            if taken_over:
-                print(taken_over, file=sys.stderr)
-            yield
 
     def start(self, cfg: Config, run_dir: Path, snapshot: Path) -> int:
         """Submit one job and return at once (or, with launcher.wait=true, when it ends for good)."""
