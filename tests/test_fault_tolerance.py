@@ -41,8 +41,10 @@ def test_a_killed_group_restarts_heals_from_the_live_one_and_both_end_identical(
     assert proc.returncode == 0
     steps = train_steps(run_dir)  # logged by group 0, which was never stopped
     assert steps == sorted(set(steps)) and steps[-1] == 48  # it never went back a step
-    participants = [r["participants"] for r in read_metrics(run_dir) if r["kind"] == "train"]
-    assert 1 in participants and participants[-1] == 2  # it trained alone for a while, then with the healed group
+    # Whether group 0 took a step alone depends on how fast group 1 is back (the quorum waits for a group that still
+    # heartbeats): only that both take part at the end is certain.
+    assert [r["participants"] for r in read_metrics(run_dir) if r["kind"] == "train"][-1] == 2
+    assert "restarting the workers (restart 1 of 1)" in proc.stderr + proc.stdout
     healed = [line for line in proc.stderr.splitlines() if "healed from a live replica group: at step" in line]
     assert len(healed) == 1
     healed_at = int(healed[0].split()[-1])

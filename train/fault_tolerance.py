@@ -80,6 +80,7 @@ class ReplicaGroups:
             quorum_timeout=timedelta(seconds=timeout_s),
         )
         self._load, self._healed = load_state_dict, False
+        self._fewest: int | None = None  # the fewest groups in a step since the last log
         # Every group joins before the first quorum: a group still starting would be left out of it, and the first
         # one to start would train alone and heal the others (or finish before they start).
         meet_every_group(trainer.replica_groups * world_size, timeout_s)
@@ -91,6 +92,11 @@ class ReplicaGroups:
     @property
     def participants(self) -> int:
         return self.manager.num_participants()
+
+    def fewest_since_log(self) -> int:
+        """The fewest groups that took part in a step since the last call: a dip between log steps is not missed."""
+        fewest, self._fewest = self._fewest, None
+        return self.participants if fewest is None else fewest
 
     def join_step(self) -> bool:
         """The quorum of this step; True if this group healed from a live one (its state replaced: the step moved)."""
@@ -114,7 +120,10 @@ class ReplicaGroups:
 
     def commit(self) -> bool:
         """Whether every group of the quorum got through this step (else it is dropped everywhere)."""
-        return self.manager.should_commit()
+        committed = self.manager.should_commit()
+        participants = self.manager.num_participants()
+        self._fewest = participants if self._fewest is None else min(self._fewest, participants)
+        return committed
 
     def identical(self, model: torch.nn.Module) -> bool:
         """Whether the groups taking part hold the same weights (each parameter's sum, averaged over the groups:

@@ -166,7 +166,7 @@ def fit(run: Run) -> Outcome:
                 "epoch": progress.step / plan.steps_per_epoch,
                 "restarts": restarts,
                 **({"skipped_steps": run.finite.skipped} if run.finite.policy == "skip" else {}),
-                **({"participants": run.replicas.participants} if isinstance(run.replicas, ReplicaGroups) else {}),
+                **({"participants": run.replicas.fewest_since_log()} if isinstance(run.replicas, ReplicaGroups) else {}),
             }
             if profiler.covers(progress.step - cfg.trainer.log_every, progress.step):
                 values["profiled"] = 1.0  # these steps ran under the profiler: slower, and not a regression
