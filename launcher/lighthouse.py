@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from launcher.schema import Config
+from train.dist import die_with
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # where a group's Manager finds it
 
@@ -35,9 +35,8 @@ def start_lighthouse(cfg: Config) -> tuple[subprocess.Popen, str]:
 
 
 def die_with_launcher() -> None:
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    """A child's preexec_fn: it is killed when the launcher that started it ends."""
+    die_with(os.getppid())
 
 
 def _lighthouse_binary() -> str:

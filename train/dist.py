@@ -160,7 +160,7 @@ def die_with_parent() -> None:
     """Under a launcher that sets PARENT_ENV, this process is killed when its parent (the launcher) dies."""
     parent = os.environ.get(PARENT_ENV, "")
     if parent.isdigit():
-        _die_with(int(parent))
+        die_with(int(parent))
 
 
 def die_with_rank(worker_id: int, rank_pid: int) -> None:
@@ -168,10 +168,11 @@ def die_with_rank(worker_id: int, rank_pid: int) -> None:
     killed when its rank ends. A worker blocked inside the data set's own code (a read that never returns) never
     reaches the DataLoader's check that its parent lives: it outlived a rank killed as hung, and held the job's
     output pipes open, so the job never ended for whoever waited on them."""
-    _die_with(rank_pid)
+    die_with(rank_pid)
 
 
-def _die_with(parent: int) -> None:
+def die_with(parent: int) -> None:
+    """This process is SIGKILLed when `parent` ends (Linux: a parent-death signal)."""
     if not sys.platform.startswith("linux"):
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
