@@ -30,10 +30,12 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import api as rendezvous_api
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
 
+from launcher.network import hold_free_port
 from train.finite import NONFINITE_EXIT_CODE
 from train.observe.watchdog import HANG_EXIT_CODE
 
@@ -226,8 +228,40 @@ def caller_name(depth: int = 2) -> str:
     return frame.f_code.co_name if frame is not None else "no_method_name"
 
 
+class HeldMasterPort:
+    """torch's agent picks the workers' MASTER_PORT free, lets it go, and rank 0 binds it a few seconds later; in
+    between another process could take it (a bind, or an outgoing connection's local port), and rank 0 failed with
+    EADDRINUSE (seen in CI, with tests in parallel). This stands in for torch's `get_free_port` and keeps each port
+    it gives bound until the next attempt's or the agent's end: rank 0's store binds it with SO_REUSEADDR still."""
+
+    def __init__(self) -> None:
+        self.held = None
+
+    def __call__(self) -> int:
+        self.release()
+        self.held = hold_free_port()
+        return self.held.getsockname()[1]
+
+    def release(self) -> None:
+        if self.held is not None:
+            self.held.close()
+            self.held = None
+
+
 def run_agent(config: LaunchConfig, entrypoint: str, args: list[str]) -> None:
     """Run the worker group to completion; raise ChildFailedError when it fails for good."""
+    master_port, free_port = HeldMasterPort(), getattr(rendezvous_api, "get_free_port", None)
+    if free_port is not None:  # where torch has it (where not, its own way of picking the port runs)
+        rendezvous_api.get_free_port = master_port
+    try:
+        _run_agent(config, entrypoint, args)
+    finally:
+        if free_port is not None:
+            rendezvous_api.get_free_port = free_port
+        master_port.release()
+
+
+def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str]) -> None:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(Repeated())
     if extensions_supported():
         dynamic_rendezvous.get_method_name = caller_name

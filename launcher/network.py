@@ -110,3 +110,13 @@ def port_in_use(port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def hold_free_port(address: str = "") -> socket.socket:
+    """A free port, kept bound until the socket is closed: the server that will listen there (a TCPStore, a
+    Lighthouse) binds it with SO_REUSEADDR, as this socket is, and binds it still; no other process can take it in
+    between, neither by binding it nor as the local port of an outgoing connection (the kernel skips bound ports)."""
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind((address, 0))
+    return held

@@ -214,6 +214,16 @@ def test_a_rendezvous_port_in_use_is_refused_before_start(launch, tmp_path):
     assert f"launcher.rdzv_endpoint=localhost:{port}: port {port} is already in use" in proc.stderr
 
 
+def test_the_workers_master_port_cannot_be_taken_between_the_agents_choice_and_rank_0s_start(launch, tmp_path):
+    """The agent picks MASTER_PORT and rank 0 binds it seconds later; a process that binds it in between (here: a
+    fault in rank 0 before it starts) made rank 0 fail with EADDRINUSE (seen in CI). The agent holds it bound."""
+    proc = launch(*FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16", "trainer.max_steps=2",
+                  f"hydra.run.dir={tmp_path / 'run'}", env=fault_env("take_port", rank=0), timeout=120)
+    assert "[fault] took MASTER_PORT" not in proc.stdout
+    assert "[fault] MASTER_PORT" in proc.stdout and "was held: [Errno 98] Address already in use" in proc.stdout
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_resume_at_another_world_size_continues_from_the_same_sample(launch, tmp_path):
     straight = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", f"hydra.run.dir={tmp_path / 'straight'}")
     assert straight.returncode == 0

@@ -15,6 +15,9 @@ restart runs clean):
                 FAULT_DELAY_MS (default 50) each (every attempt: a slow file system, not a crash), both formats
   FAULT=stuck_io  in the first attempt, the first checkpoint shard this rank writes (a DCP .distcp file) stops after
                 its first chunk and never returns (a stuck file system)
+  FAULT=take_port  before it starts, this rank (another process, as it were) binds MASTER_PORT and keeps it, as a
+                process that took the port between the agent's choice and rank 0's store would ("[fault] took
+                MASTER_PORT P" or "[fault] MASTER_PORT P was held: ...")
   FAULT_GROUP=G   with replica groups (trainer.fault_tolerance=replicas): the fault acts in group G only
   STEP_DELAY_MS   every optimizer step of every rank, in every attempt, takes this much longer (a slower model),
                   beside any FAULT
@@ -25,7 +28,19 @@ restart runs clean):
 
 import os
 
-if os.environ.get("FAULT") in ("slow_io", "stuck_io", "trace_io") \
+if os.environ.get("FAULT") == "take_port" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0") \
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    import socket
+
+    _taken = socket.socket()  # a module global: held for the life of this process
+    try:
+        _taken.bind(("", int(os.environ["MASTER_PORT"])))
+        print(f"[fault] took MASTER_PORT {os.environ['MASTER_PORT']}", flush=True)
+    except OSError as error:
+        print(f"[fault] MASTER_PORT {os.environ['MASTER_PORT']} was held: {error}", flush=True)
+        _taken.close()
+
+elif os.environ.get("FAULT") in ("slow_io", "stuck_io", "trace_io") \
         and os.environ.get("FAULT_RANK", "0") in (os.environ.get("RANK"), "all"):
     # Every checkpoint stream of a training rank is opened under Watchdog.io and reports each chunk to it: the
     # delay goes there, after every chunk (shrunk to 1 kB), for reads, writes and hashing, in both formats.
@@ -76,7 +91,7 @@ elif os.environ.get("FAULT") == "slow_commit" and os.environ.get("RANK") == os.e
     train.checkpoint.dcp.commit = slow_commit
 
 elif (
-    os.environ.get("FAULT") not in (None, "", "kill_in_save", "slow_commit", "slow_io", "stuck_io")
+    os.environ.get("FAULT") not in (None, "", "kill_in_save", "slow_commit", "slow_io", "stuck_io", "take_port")
     and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0")
     and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     and os.environ.get("REPLICA_GROUP_ID", "0") == os.environ.get("FAULT_GROUP", os.environ.get("REPLICA_GROUP_ID", "0"))
