@@ -321,7 +321,8 @@ def _check_same_run(cfg: Config, run_dir: Path, problems: list[str]) -> None:
 
 
 def _check_fault_tolerance(cfg: Config, problems: list[str]) -> None:
-    """trainer.fault_tolerance=replicas where it holds today: ddp replica groups on one node, launched locally."""
+    """trainer.fault_tolerance=replicas where it holds today: ddp or fsdp replica groups on one node, launched
+    locally."""
     t = cfg.trainer
     if not _choice(problems, "trainer.fault_tolerance", t.fault_tolerance, ["none", "replicas"]) or t.fault_tolerance == "none":
         return
@@ -330,11 +331,11 @@ def _check_fault_tolerance(cfg: Config, problems: list[str]) -> None:
         problems.append(f"trainer.replica_groups={t.replica_groups}: fault tolerance needs at least 2 replica groups "
                         f"(one keeps training while another restarts): set trainer.replica_groups=2 or more, {fix}.")
         return
-    if t.strategy != "ddp" or t.tp > 1:
+    if t.strategy not in ("ddp", "fsdp") or t.tp > 1:
         problems.append(f"trainer.fault_tolerance=replicas with trainer.strategy={t.strategy}"
-                        f"{f' trainer.tp={t.tp}' if t.tp > 1 else ''}: replica groups hold whole copies of the model "
-                        f"under ddp; sharded groups (fsdp/HSDP), tensor parallel and pipelines are not supported yet: "
-                        f"use trainer.strategy=ddp, {fix}.")
+                        f"{f' trainer.tp={t.tp}' if t.tp > 1 else ''}: a replica group holds a copy of the model under "
+                        f"ddp or fsdp (sharded over the group's processes); tensor parallel and pipelines are not "
+                        f"supported yet: use trainer.strategy=ddp or fsdp with trainer.tp=1, {fix}.")
     if procs_per_node(t) % t.replica_groups:
         problems.append(f"trainer.replica_groups={t.replica_groups} must divide the processes per node "
                         f"({procs_per_node(t)}): each group gets an equal share. Pick a divisor, {fix}.")

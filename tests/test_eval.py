@@ -64,7 +64,6 @@ def _worker(rank: int, world: int, batch_size: int, lockstep: bool, source: str,
                 buffer.add_(7)
         env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
         strategy = Strategy(model, TrainerConfig(), env, torch.device("cpu"))
-        strategy.lockstep_eval = lockstep  # FSDP's way: ranks with fewer batches repeat one, uncounted
         cpu = torch.device("cpu")
         dataset = data if source == "memory" else Samples(data)
         batches = build_eval_batches(DataConfig(eval_batch_size=batch_size), dataset, rank, world, cpu, lockstep)

@@ -57,6 +57,16 @@ def test_the_layout_orders_ranks_tp_innermost_and_refuses_what_does_not_divide()
         layout_of(TrainerConfig(strategy="fsdp", tp=3), 8, 8)
 
 
+def test_evaluation_runs_in_lockstep_where_a_forward_gathers_shards_across_data_parallel_ranks():
+    lockstep = {name: layout_of(TrainerConfig(**overrides), 4, 4).lockstep_eval for name, overrides in {
+        "ddp": {"strategy": "ddp"}, "ddp+tp": {"strategy": "fsdp", "tp": 2, "fsdp_replicate": 2},
+        "fsdp": {"strategy": "fsdp"}, "hsdp": {"strategy": "fsdp", "fsdp_replicate": 2},
+        "pipeline": {"strategy": "pipeline", "pp": 2}, "sharded pipeline": {"strategy": "pipeline", "pp": 2, "pp_sharded": True},
+    }.items()}
+    assert lockstep == {"ddp": False, "ddp+tp": False, "fsdp": True, "hsdp": True, "pipeline": False,
+                        "sharded pipeline": True}
+
+
 def test_a_layout_or_a_plan_that_does_not_fit_is_refused_before_start(tmp_path):
     gpt = ["+experiment=gpt_tiny", "data=synthetic", "trainer.strategy=fsdp"]
     assert "trainer.tp=3 must divide the world size (2 processes)" in \

@@ -1,11 +1,13 @@
 """Per-step fault tolerance across replica groups (trainer.fault_tolerance=replicas), with torchft.
 
 The world is split into trainer.replica_groups groups, each a torch.distributed world of its own (its own agent,
-its own env:// variables, REPLICA_GROUP_ID and TORCHFT_LIGHTHOUSE from the launcher) that trains a whole copy of
-the model under ddp. Across groups, torchft's Manager forms a quorum before every step (the Lighthouse), averages
-the gradients over the groups that take part, and commits the step only if all of them got through it. A group
-that fails restarts alone, from the run's last checkpoint, and heals from a live group at its first quorum (the
-model, optimizer, schedule and step sent over, not read from disk), while the others never stop.
+its own env:// variables, REPLICA_GROUP_ID and TORCHFT_LIGHTHOUSE from the launcher) that trains a copy of the model
+under ddp, or under fsdp sharded over the group's processes (rank r of every group then holds the same shards, and
+exchanges them with rank r of the others). Across groups, torchft's Manager forms a quorum before every step (the
+Lighthouse), averages the gradients over the groups that take part, and commits the step only if all of them got
+through it. A group that fails restarts alone, from the run's last checkpoint, and heals from a live group at its
+first quorum (the model, optimizer, schedule and step sent over, not read from disk; torchft's transport sends a
+DTensor's shard to the same rank), while the others never stop.
 
 While a group is missing, its share of each global batch is skipped, not redistributed: the step's gradient is the
 mean over the samples of the groups present (the global batch shrinks by their share; the lr is unchanged).
@@ -120,6 +122,7 @@ class ReplicaGroups:
 
     def commit(self) -> bool:
         """Whether every group of the quorum got through this step (else it is dropped everywhere)."""
+        self._healed = False  # this step used the quorum a heal came with
         committed = self.manager.should_commit()
         participants = self.manager.num_participants()
         self._fewest = participants if self._fewest is None else min(self._fewest, participants)
@@ -127,11 +130,15 @@ class ReplicaGroups:
 
     def identical(self, model: torch.nn.Module) -> bool:
         """Whether the groups taking part hold the same weights (each parameter's sum, averaged over the groups:
-        equal to this group's own exactly when every group's is the same)."""
+        equal to this group's own exactly when every group's is the same).
+
+        A group that comes back as the others end heals in their last quorum (this check's) straight to the end:
+        it checks in that quorum too, not in a new one that the others, waiting in this all-reduce, never join."""
         with torch.no_grad():
             sums = torch.stack([local(p.detach()).double().sum() for p in model.parameters()])
             mean = sums.clone()
-            self.manager.start_quorum()
+            if not self._healed:
+                self.manager.start_quorum()
             self.manager.allreduce(mean).wait()
         return bool(torch.equal(mean, sums))
 

@@ -57,7 +57,7 @@ def evaluation_due(run: Run) -> bool:
 
 def eval_source(run: Run):
     return build_eval_batches(run.cfg.data, run.data.eval, run.strategy.replica_rank, run.strategy.replicas, run.device,
-                              run.strategy.lockstep_eval)
+                              run.strategy.layout.lockstep_eval)
 
 
 def monitored(run: Run) -> tuple[str, str]:

@@ -66,6 +66,13 @@ class Layout:
         return mesh
 
     @property
+    def lockstep_eval(self) -> bool:
+        """Whether evaluation forwards hold collectives across data-parallel ranks, so that every rank must run as
+        many as the others: a model sharded over dp_shard ranks gathers its parameters in every forward (fsdp; a
+        sharded pipeline stage). Copies (dp_replicate) and tp groups, which read the same samples, need not."""
+        return self.dp_shard > 1
+
+    @property
     def composite(self) -> bool:
         """More than one dimension in play (the strategy's name alone does not say the layout)."""
         return sum(getattr(self, d) > 1 for d in DIMS) > 1 or self.tp > 1

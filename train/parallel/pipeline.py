@@ -63,7 +63,6 @@ class PipelineStrategy(Strategy):
         self.tp_rank = mesh["tp"].get_local_rank() if layout.tp > 1 else 0
         if layout.tp > 1:  # this stage's layers split within its tp group; stages pass whole activations
             apply_tensor_parallel(model, model_plan(model, cfg.tp_plan), mesh["tp"])
-        self.lockstep_eval = layout.dp_shard > 1  # a sharded stage gathers its parameters in every forward
         if layout.dp_shard > 1:  # trainer.pp_sharded: the stage sharded over its data-parallel ranks, block by block
             from torch.distributed.fsdp import fully_shard
 

@@ -90,7 +90,6 @@ SCATTER = StateDictOptions(full_state_dict=True)  # every rank reads the whole s
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
-    lockstep_eval = True  # every forward all-gathers parameters
 
     def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv, device: torch.device):
         super().__init__(model, cfg, env, device)

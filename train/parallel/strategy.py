@@ -35,7 +35,6 @@ def call_model(model: nn.Module, inputs):
 
 class Strategy:
     name = ""
-    lockstep_eval = False  # evaluation forwards hold collectives: every rank must run as many as the others
 
     def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv, device: torch.device):
         self.model = model  # this rank's part of the model, as plain modules (evaluation, state dicts)
