@@ -1,21 +1,25 @@
 """`python -m launcher [overrides]`, or the `ddp-launch` command; see launcher/main.py."""
 
 import gc
-import os
-import sys
 
-from hydra.errors import HydraException
+gc.disable()  # during the imports (torch's millions of objects), as in train/__main__.py; enabled again in cli()
 
-from launcher.main import main
-from launcher.overrides import describe, explain
-from launcher.rundir import register_resolvers
-from launcher.schema import register_configs
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from hydra.errors import HydraException  # noqa: E402
+
+from launcher.main import main  # noqa: E402
+from launcher.overrides import describe, explain  # noqa: E402
+from launcher.rundir import register_resolvers  # noqa: E402
+from launcher.schema import register_configs  # noqa: E402
 
 
 def cli() -> None:
     # What the imports made lives until exit: out of the collector's sight, the exit skips ~0.7 s of collecting
     # it (the user's targets, imported by validation later, are collected as before).
     gc.freeze()
+    gc.enable()
     register_configs()
     register_resolvers()
     # Hydra's errors reach us (not only its printed summary) so that an override of a missing key is explained.

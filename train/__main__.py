@@ -4,14 +4,21 @@ Under plain torchrun (`torchrun --nproc-per-node 2 -m train RUN_DIR/config.yaml`
 without any launcher it trains as a single process.
 """
 
-import argparse
-import os
+import gc
 
-from torch.distributed.elastic.multiprocessing.errors import record
+# No cyclic collection until the imports are done (train.host.freeze_imported_objects enables it again): torch's and
+# dynamo's imports make millions of lasting objects, and each collection they set off traversed all made so far
+# (~0.4 s of every rank's start, measured in benchmarks/README.md).
+gc.disable()
 
-from train.dist import die_with_parent, exit_without_finalizing
-from train.finite import NONFINITE_EXIT_CODE, NonFiniteLoss
-from train.run import main
+import argparse  # noqa: E402
+import os  # noqa: E402
+
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
+from train.dist import die_with_parent, exit_without_finalizing  # noqa: E402
+from train.finite import NONFINITE_EXIT_CODE, NonFiniteLoss  # noqa: E402
+from train.run import main  # noqa: E402
 
 
 @record  # a failing rank's traceback reaches the launcher's error report

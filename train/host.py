@@ -24,6 +24,7 @@ def freeze_imported_objects() -> None:
     import torch._dynamo  # noqa: F401  (DDP, FSDP and compile import it later: frozen with the rest)
 
     gc.freeze()
+    gc.enable()  # off during the imports, under `python -m train` (train/__main__.py)
 
 
 def keep_freed_memory() -> bool:
