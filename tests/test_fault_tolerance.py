@@ -36,13 +36,13 @@ def test_two_replica_groups_train_as_ddp_does_while_both_take_part(tmp_path, lau
 
 def test_a_killed_group_restarts_heals_from_the_live_one_and_both_end_identical(tmp_path, launch):
     run_dir = tmp_path / "run"
-    proc = launch(*GROUPS, "trainer.max_steps=48", "trainer.log_every=2", "launcher.max_restarts=1",
+    proc = launch(*GROUPS, "trainer.epochs=4", "trainer.max_steps=64", "trainer.log_every=2", "launcher.max_restarts=1",
                   f"hydra.run.dir={run_dir}", env=killed(group=1, step=10))
     assert proc.returncode == 0
     steps = train_steps(run_dir)  # logged by group 0, which was never stopped
-    assert steps == sorted(set(steps)) and steps[-1] == 48  # it never went back a step
+    assert steps == sorted(set(steps)) and steps[-1] == 64  # it never went back a step
     # Whether group 0 took a step alone depends on how fast group 1 is back (the quorum waits for a group that still
-    # heartbeats): only that both take part at the end is certain.
+    # heartbeats); it has 54 steps (over 6 s) to come back, and both take part at the end.
     assert [r["participants"] for r in read_metrics(run_dir) if r["kind"] == "train"][-1] == 2
     assert "restarting the workers (restart 1 of 1)" in proc.stderr + proc.stdout
     healed = [line for line in proc.stderr.splitlines() if "healed from a live replica group: at step" in line]
@@ -52,7 +52,7 @@ def test_a_killed_group_restarts_heals_from_the_live_one_and_both_end_identical(
     # back at the live step, 9 or later, so nothing it had done was redone.
     assert 9 <= healed_at
     for group in (0, 1):
-        assert f"replica group {group}: weights identical to the other groups' at step 48 (2 taking part)" in proc.stdout
+        assert f"replica group {group}: weights identical to the other groups' at step 64 (2 taking part)" in proc.stdout
 
 
 def test_fsdp_groups_of_two_processes_heal_shard_by_shard_and_end_identical(tmp_path, launch):
