@@ -19,6 +19,9 @@ restart runs clean):
                 process that took the port between the agent's choice and rank 0's store would ("[fault] took
                 MASTER_PORT P" or "[fault] MASTER_PORT P was held: ...")
   FAULT_GROUP=G   with replica groups (trainer.fault_tolerance=replicas): the fault acts in group G only
+  END_DELAY_MS    with replica groups: the ranks of group END_DELAY_GROUP (default 0) wait this long, in every
+                  attempt, before the run's last evaluation and save (a group slow to end), beside any FAULT
+  FAULT=kill_at_end  SIGKILL itself at the run's last evaluation, after its last step (first attempt)
   STEP_DELAY_MS   every optimizer step of every rank, in every attempt, takes this much longer (a slower model),
                   beside any FAULT
   FAULT=trace_io  every checkpoint stream of this rank (of every rank with FAULT_RANK=all) is printed as it opens:
@@ -91,7 +94,7 @@ elif os.environ.get("FAULT") == "slow_commit" and os.environ.get("RANK") == os.e
     train.checkpoint.dcp.commit = slow_commit
 
 elif (
-    os.environ.get("FAULT") not in (None, "", "kill_in_save", "slow_commit", "slow_io", "stuck_io", "take_port")
+    os.environ.get("FAULT") not in (None, "", "kill_in_save", "slow_commit", "slow_io", "stuck_io", "take_port", "kill_at_end")
     and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0")
     and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     and os.environ.get("REPLICA_GROUP_ID", "0") == os.environ.get("FAULT_GROUP", os.environ.get("REPLICA_GROUP_ID", "0"))
@@ -184,3 +187,25 @@ if os.environ.get("STEP_DELAY_MS") and os.environ.get("RANK") is not None:
 
     train.step.train_step = delayed_train_step
 
+
+
+_group = os.environ.get("REPLICA_GROUP_ID", "0")
+_end_delay = int(os.environ.get("END_DELAY_MS", "0")) / 1000 if _group == os.environ.get("END_DELAY_GROUP", "0") else 0
+_end_kill = os.environ.get("FAULT") == "kill_at_end" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0") \
+    and _group == os.environ.get("FAULT_GROUP", _group) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+if (_end_delay or _end_kill) and os.environ.get("RANK") is not None:
+    import signal
+    import threading
+
+    import train.loop
+
+    _evaluate = train.loop.evaluate_and_save
+
+    def late_evaluate_and_save(run, *args, **kwargs):
+        if run.progress.step >= run.plan.stop_step:
+            if _end_kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            threading.Event().wait(_end_delay)
+        return _evaluate(run, *args, **kwargs)
+
+    train.loop.evaluate_and_save = late_evaluate_and_save
