@@ -1,17 +1,26 @@
-"""torchft's Lighthouse for the replica groups of a run (trainer.fault_tolerance=replicas): it forms each step's
-quorum of the groups that heartbeat. Started on this machine by the local backend, on a free port."""
+"""Where the replica groups of a run meet (trainer.fault_tolerance=replicas): torchft's Lighthouse, which forms each
+step's quorum of the groups that heartbeat, and a store where the groups count themselves in before step 1.
+
+On one node both run on this machine, on free ports. On several nodes (the same command on each, with
+launcher.rdzv_endpoint=HOST:PORT) they run on the first node, the host of that endpoint: the store on its port, the
+Lighthouse on a free one, whose address the other nodes read from the store. The first node keeps both until every
+node's groups have ended; without it no quorum forms (the one node a run cannot lose)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
-from launcher.network import hold_free_port
+from launcher.network import hold_free_port, hosts_rendezvous
 from launcher.schema import Config
 from train.dist import die_with
 
@@ -19,15 +28,64 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # where a group's Manager finds it
 LISTEN_TIMEOUT_S = 30
 
 
-def start_lighthouse(cfg: Config) -> tuple[subprocess.Popen, str]:
-    """torchft's Lighthouse on a free local port, listening when this returns; it dies with this process. A group
-    that stops heartbeating for 2 s is left out of the next quorum; stragglers are waited for 10 s at most while
-    enough groups are there."""
-    with hold_free_port("127.0.0.1") as held:  # until the Lighthouse listens there: no other process takes it
+@dataclass(frozen=True)
+class Meeting:
+    node: int  # this node's place among the run's nodes (0: the first, which hosts the meeting)
+    lighthouse: str  # the Lighthouse's address, for every group's Manager
+    store: str  # HOST:PORT of the store where the groups count themselves in
+
+
+@contextlib.contextmanager
+def meeting_place(cfg: Config) -> Iterator[Meeting]:
+    """The Lighthouse and the store of this run, as this node sees them (see the module's doc)."""
+    from torch.distributed import TCPStore
+
+    if cfg.trainer.nodes == 1:
+        lighthouse, address = start_lighthouse(cfg, "127.0.0.1")
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        try:
+            yield Meeting(0, address, f"127.0.0.1:{store.port}")
+        finally:
+            lighthouse.kill()
+        return
+    host, _, port = cfg.launcher.rdzv_endpoint.rpartition(":")
+    timeout = timedelta(seconds=cfg.launcher.rdzv_timeout_s)
+    first = hosts_rendezvous(host)
+    store = TCPStore(host, int(port), is_master=first, wait_for_workers=False, timeout=timeout)
+    lighthouse = None
+    if first:
+        lighthouse, address = start_lighthouse(cfg, "0.0.0.0", advertise=host)
+        store.set("lighthouse", address)
+    try:
+        node = 0 if first else store.add("nodes joined", 1)
+        yield Meeting(node, store.get("lighthouse").decode(), f"{host}:{port}")
+    finally:
+        store.add("nodes ended", 1)
+        if lighthouse is not None:
+            _wait_for_every_node(store, cfg.trainer.nodes, cfg.launcher.rdzv_timeout_s)
+            lighthouse.kill()
+
+
+def _wait_for_every_node(store, nodes: int, timeout_s: float) -> None:
+    """The first node's Lighthouse serves until the other nodes' groups have ended too (at most timeout_s)."""
+    started, said = time.monotonic(), False
+    while (ended := store.add("nodes ended", 0)) < nodes and time.monotonic() < started + timeout_s:
+        if not said and time.monotonic() > started + 5:
+            print(f"waiting for {nodes - ended} other node(s) to end: their replica groups need this node's "
+                  f"Lighthouse (at most launcher.rdzv_timeout_s={timeout_s:.0f} s)", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(0.2)
+
+
+def start_lighthouse(cfg: Config, bind: str, advertise: str = "127.0.0.1") -> tuple[subprocess.Popen, str]:
+    """torchft's Lighthouse on a free port of `bind`, listening when this returns, reached at `advertise`; it dies
+    with this process. A group that stops heartbeating for 2 s is left out of the next quorum; stragglers are waited
+    for 10 s at most while enough groups are there."""
+    with hold_free_port(bind) as held:  # until the Lighthouse listens there: no other process takes it
         port = held.getsockname()[1]
         lighthouse = subprocess.Popen(
             [_lighthouse_binary(), "--min_replicas", str(cfg.trainer.min_replicas),
-             "--bind", f"127.0.0.1:{port}", "--join_timeout_ms", "10000", "--quorum_tick_ms", "50",
+             "--bind", f"{bind}:{port}", "--join_timeout_ms", "10000", "--quorum_tick_ms", "50",
              "--heartbeat_timeout_ms", "2000"],
             env={"RUST_LOG": "warn", **os.environ}, stdout=subprocess.DEVNULL, preexec_fn=die_with_launcher)
         deadline = time.monotonic() + LISTEN_TIMEOUT_S
@@ -38,7 +96,7 @@ def start_lighthouse(cfg: Config) -> tuple[subprocess.Popen, str]:
                                    f"{port} (exit code {lighthouse.poll()}); its error is above. Check that torchft "
                                    f"is installed (pip install -e '.[ft]').")
             time.sleep(0.02)
-    return lighthouse, f"http://127.0.0.1:{port}"
+    return lighthouse, f"http://{advertise}:{port}"
 
 
 def _listens(port: int) -> bool:

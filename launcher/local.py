@@ -28,7 +28,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from launcher.agent import failure_headline, failure_report, run_agent
 from launcher.backend import Backend, check_run_dir_free
 from launcher.lease import LOCK_FILE, Lease, Renewer, flock
-from launcher.lighthouse import LIGHTHOUSE_ENV, die_with_launcher, start_lighthouse
+from launcher.lighthouse import LIGHTHOUSE_ENV, die_with_launcher, meeting_place
 from launcher.network import check_network, hosts_rendezvous, port_in_use
 from launcher.schema import Config
 from train.dist import PARENT_ENV, available_cores
@@ -124,34 +124,31 @@ def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig
 
 
 def launch_replica_groups(cfg: Config, snapshot: Path) -> int:
-    """trainer.fault_tolerance=replicas: torchft's Lighthouse, then one agent per replica group (launcher/replicas.py),
-    each restarting its own group (launcher.max_restarts); every group to its end. The exit code is the worst
-    group's (0: all finished)."""
-    from torch.distributed import TCPStore
-
-    lighthouse, address = start_lighthouse(cfg)
-    meeting = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # where the groups meet at the start
+    """trainer.fault_tolerance=replicas: where the groups meet (launcher/lighthouse.py), then one agent per replica
+    group of this node (launcher/replicas.py), each restarting its own group (launcher.max_restarts); every group to
+    its end. The exit code is the worst group's (0: all finished)."""
     groups = []
-    try:
-        for group in range(cfg.trainer.replica_groups):
-            # torchft logs every quorum at INFO (a line per step and group): its warnings only, unless asked
-            env = {"RUST_LOG": "warn", **os.environ, REPLICA_GROUP_ENV: str(group), LIGHTHOUSE_ENV: address,
-                   START_STORE_ENV: f"127.0.0.1:{meeting.port}"}
-            groups.append(subprocess.Popen([sys.executable, "-u", "-P", "-m", "launcher.replicas", str(snapshot),
-                                            str(group)], env=env, preexec_fn=die_with_launcher))
-        stop = _forward_stops(groups)
-        codes = [group.wait() for group in groups]
-        stop()
-        if any(codes) and read_status(snapshot.parent).get("status") == "finished":
-            print(f"warning: replica group(s) {[g for g, c in enumerate(codes) if c]} failed for good; the others "
-                  f"finished the run", file=sys.stderr)
-            return 0
-        return max(codes, key=abs)
-    finally:
-        for group in groups:
-            if group.poll() is None:
-                group.kill()
-        lighthouse.kill()
+    with meeting_place(cfg) as meeting:
+        try:
+            per_node = cfg.trainer.replica_groups // cfg.trainer.nodes
+            for group in range(meeting.node * per_node, (meeting.node + 1) * per_node):
+                # torchft logs every quorum at INFO (a line per step and group): its warnings only, unless asked
+                env = {"RUST_LOG": "warn", **os.environ, REPLICA_GROUP_ENV: str(group),
+                       LIGHTHOUSE_ENV: meeting.lighthouse, START_STORE_ENV: meeting.store}
+                groups.append(subprocess.Popen([sys.executable, "-u", "-P", "-m", "launcher.replicas", str(snapshot),
+                                                str(group)], env=env, preexec_fn=die_with_launcher))
+            stop = _forward_stops(groups)
+            codes = [group.wait() for group in groups]
+            stop()
+            if any(codes) and read_status(snapshot.parent).get("status") == "finished":
+                failed = [g for g, c in zip(range(meeting.node * per_node, (meeting.node + 1) * per_node), codes) if c]
+                print(f"warning: replica group(s) {failed} failed for good; the others finished the run", file=sys.stderr)
+                return 0
+            return max(codes, key=abs)
+        finally:
+            for group in groups:
+                if group.poll() is None:
+                    group.kill()
 
 
 def _forward_stops(groups: list[subprocess.Popen]):

@@ -25,11 +25,13 @@ def group_main(snapshot: str, group: int) -> int:
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(snapshot))
     run_dir = Path(snapshot).parent
     config = launch_config(cfg, run_dir)
-    nproc = procs_per_node(cfg.trainer) // cfg.trainer.replica_groups
-    config = dataclasses.replace(config, nproc_per_node=nproc, run_id=f"{config.run_id}-group{group}",
-                                 rdzv_endpoint="localhost:0")
+    per_node = cfg.trainer.replica_groups // cfg.trainer.nodes  # a node runs its share of the groups
+    nproc = procs_per_node(cfg.trainer) // per_node
+    # A group is one node's processes (or a share of them): its own one-node rendezvous, whatever the run's nodes.
+    config = dataclasses.replace(config, min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+                                 run_id=f"{config.run_id}-group{group}", rdzv_endpoint="localhost:0")
     if cfg.trainer.gpus:  # this group's GPUs of the node
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(group * nproc + i) for i in range(nproc))
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(group % per_node * nproc + i) for i in range(nproc))
     started = time.monotonic()
     code = run_workers(cfg, run_dir, snapshot, config)
     print(f"replica group {group} ended with {code} after {time.monotonic() - started:.1f} s", flush=True)

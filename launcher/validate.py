@@ -321,8 +321,8 @@ def _check_same_run(cfg: Config, run_dir: Path, problems: list[str]) -> None:
 
 
 def _check_fault_tolerance(cfg: Config, problems: list[str]) -> None:
-    """trainer.fault_tolerance=replicas where it holds today: ddp or fsdp replica groups on one node, launched
-    locally."""
+    """trainer.fault_tolerance=replicas where it holds today: ddp or fsdp replica groups, each within a node,
+    launched by launcher=local (on several nodes, the same command on each)."""
     t = cfg.trainer
     if not _choice(problems, "trainer.fault_tolerance", t.fault_tolerance, ["none", "replicas"]) or t.fault_tolerance == "none":
         return
@@ -336,13 +336,14 @@ def _check_fault_tolerance(cfg: Config, problems: list[str]) -> None:
                         f"{f' trainer.tp={t.tp}' if t.tp > 1 else ''}: a replica group holds a copy of the model under "
                         f"ddp or fsdp (sharded over the group's processes); tensor parallel and pipelines are not "
                         f"supported yet: use trainer.strategy=ddp or fsdp with trainer.tp=1, {fix}.")
-    if procs_per_node(t) % t.replica_groups:
-        problems.append(f"trainer.replica_groups={t.replica_groups} must divide the processes per node "
-                        f"({procs_per_node(t)}): each group gets an equal share. Pick a divisor, {fix}.")
-    if t.nodes > 1 or cfg.launcher.name != "local":
-        problems.append(f"trainer.fault_tolerance=replicas runs on one node with launcher=local for now (the "
-                        f"Lighthouse and every group's agent on this machine); trainer.nodes={t.nodes} "
-                        f"launcher={cfg.launcher.name} is not supported yet: {fix}.")
+    if t.replica_groups % t.nodes or procs_per_node(t) % (t.replica_groups // t.nodes or 1):
+        problems.append(f"trainer.replica_groups={t.replica_groups} must be a multiple of trainer.nodes={t.nodes} "
+                        f"whose share per node divides the processes per node ({procs_per_node(t)}): every group "
+                        f"lies within one node and gets an equal share of it. Pick another count, {fix}.")
+    if cfg.launcher.name != "local":
+        problems.append(f"trainer.fault_tolerance=replicas runs with launcher=local for now (the Lighthouse on the "
+                        f"first node, each node's groups under their own agents); launcher={cfg.launcher.name} is not "
+                        f"supported yet: run the same command on every node with launcher.rdzv_endpoint, {fix}.")
     if not 1 <= t.min_replicas <= t.replica_groups:
         problems.append(f"trainer.min_replicas={t.min_replicas} must be between 1 and trainer.replica_groups="
                         f"{t.replica_groups}: the groups a step needs.")

@@ -5,10 +5,15 @@ refused before start."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+
 import pytest
 import torch
 
 from conftest import FAULTS_DIR, IDENTITY, final_checkpoint, read_metrics
+from test_multinode import node
 
 GROUPS = [*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.fault_tolerance=replicas"]
 
@@ -90,6 +95,42 @@ def test_a_group_back_as_the_others_end_heals_in_their_last_quorum_and_checks_it
         assert f"replica group {group}: weights identical to the other groups' at step 24 (2 taking part)" in proc.stdout
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare, as CI has")
+def test_two_nodes_a_group_each_the_killed_one_heals_from_the_first_nodes(tmp_path):
+    """Two launchers acting as nodes n1 and n2 (tests/test_multinode.py), a replica group on each: n1 hosts the
+    Lighthouse and the groups' store on launcher.rdzv_endpoint; group 1, on n2, is killed, restarts there alone and
+    heals from group 0 over the network, while group 0 never stops."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n127.0.0.2 n1\n127.0.0.3 n2\n")
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    run_dir = tmp_path / "run"
+    overrides = [*GROUPS, "trainer.nodes=2", "trainer.procs_per_node=1", "trainer.epochs=4", "trainer.max_steps=64",
+                 "trainer.log_every=2", "launcher.max_restarts=1", f"launcher.rdzv_endpoint=n1:{port}",
+                 "launcher.rdzv_timeout_s=120", f"hydra.run.dir={run_dir}"]
+    logs, procs = {name: tmp_path / f"{name}.log" for name in ("n1", "n2")}, []
+    env = {**os.environ, **killed(group=1, step=10)}
+    try:
+        for name in ("n1", "n2"):
+            with open(logs[name], "w") as log:
+                procs.append(node(name, hosts, overrides, tmp_path, log, env=env))
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    n1, n2 = logs["n1"].read_text(), logs["n2"].read_text()
+    print(f"--- n1\n{n1}\n--- n2\n{n2}")
+    assert codes == [0, 0]
+    steps = train_steps(run_dir)  # logged by group 0, on n1
+    assert steps == sorted(set(steps)) and steps[-1] == 64
+    assert "restarting the workers (restart 1 of 1)" in n2 and "restarting" not in n1
+    assert n2.count("healed from a live replica group: at step") == 1
+    assert "replica group 0: weights identical to the other groups' at step 64 (2 taking part)" in n1
+    assert "replica group 1: weights identical to the other groups' at step 64 (2 taking part)" in n2
+
+
 def test_a_group_that_never_returns_leaves_the_other_to_finish(tmp_path, launch):
     run_dir = tmp_path / "run"
     proc = launch(*GROUPS, "launcher.max_restarts=0", f"hydra.run.dir={run_dir}", env=killed(group=1, step=5))
@@ -113,7 +154,10 @@ def test_a_whole_job_restart_resumes_both_groups_from_the_disk_checkpoint(tmp_pa
     (["trainer.strategy=fsdp", "trainer.tp=2"], "trainer.fault_tolerance=replicas with trainer.strategy=fsdp trainer.tp=2"),
     (["trainer.strategy=pipeline"], "trainer.fault_tolerance=replicas with trainer.strategy=pipeline"),
     (["trainer.replica_groups=1"], "trainer.replica_groups=1: fault tolerance needs at least 2 replica groups"),
-    (["trainer.procs_per_node=3"], "trainer.replica_groups=2 must divide the processes per node (3)"),
+    (["trainer.procs_per_node=3"], "whose share per node divides the processes per node (3)"),
+    (["trainer.nodes=2", "trainer.replica_groups=3", "launcher.rdzv_endpoint=localhost:29400"],
+     "trainer.replica_groups=3 must be a multiple of trainer.nodes=2"),
+    (["launcher=ray"], "trainer.fault_tolerance=replicas runs with launcher=local for now"),
     (["trainer.min_replicas=3"], "trainer.min_replicas=3 must be between 1 and trainer.replica_groups=2"),
     (["trainer.fault_tolerance=groups"], "trainer.fault_tolerance"),
 ])
