@@ -161,6 +161,41 @@ class SlurmTask:
             time.sleep(1)
 
 
+class SlurmReplicaNode:
+    """What each node's one task runs under trainer.fault_tolerance=replicas: this node's replica groups, each under
+    its own agent, which restarts it alone (launcher.local.launch_replica_groups, as on several nodes without SLURM).
+    The first node hosts torchft's Lighthouse and the groups' store on the job's MASTER_ADDR:MASTER_PORT (seeded by
+    the job id, as env:// is); each group's agent sets its ranks' env:// variables itself. A requeue after a time
+    limit or a preemption is not made in this mode: the ranks save on the signal, and a new launch resumes."""
+
+    def __init__(self, snapshot: str):
+        self.snapshot = snapshot
+
+    def __call__(self) -> dict:
+        from omegaconf import OmegaConf
+
+        from launcher.local import launch_replica_groups
+
+        export_env_from_slurm()
+        clear_unfinished_result()
+        job_id, run_dir = os.environ["SLURM_JOB_ID"], Path(self.snapshot).parent
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(self.snapshot))
+        cfg.launcher.rdzv_endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        first = os.environ["RANK"] == "0"
+        for key in ENV_CONTRACT:  # the groups' agents give their ranks their own
+            os.environ.pop(key, None)
+        renewer = Renewer(run_dir, job_lease(job_id)).__enter__() if first else None
+        try:
+            code = launch_replica_groups(cfg, Path(self.snapshot))
+        finally:
+            if renewer:
+                renewer.stop(release_lease=True)
+        if code:
+            raise RuntimeError(f"the replica groups of node {os.environ.get('SLURM_NODEID')} ended with exit code "
+                               f"{code}; their output is in this task's log")
+        return {"status": read_status(run_dir).get("status", "unknown")}
+
+
 def preemption_decided(job_id: str, folder: Path, asks: bool, wait_s: float = 120.0) -> bool:
     """Whether this attempt, stopped by SIGTERM, ends in a requeue (`being_preempted`), asked of SLURM once per job:
     the task that `asks` (rank 0) writes the answer into `folder`, the others read it there. Every task asking
@@ -215,12 +250,17 @@ def node_cpus(partition: str) -> int:
     return min(counts, default=0)
 
 
+def tasks_per_node(cfg: Config) -> int:
+    """A task per rank; under replica groups one per node, which runs the node's groups under their agents."""
+    return 1 if cfg.trainer.fault_tolerance == "replicas" else procs_per_node(cfg.trainer)
+
+
 def cpus_per_task(cfg: Config, cpus_per_node: int) -> int:
     """launcher.cpus_per_task, or the node's CPUs shared among its tasks (SLURM's own default is one CPU per task,
     which leaves a GPU's data pipeline and every host thread on a single core)."""
     if cfg.launcher.cpus_per_task > 0:
         return cfg.launcher.cpus_per_task
-    return max(1, cpus_per_node // procs_per_node(cfg.trainer)) if cpus_per_node else 0
+    return max(1, cpus_per_node // tasks_per_node(cfg)) if cpus_per_node else 0
 
 
 def executor_parameters(cfg: Config, cpus_per_node: int = 0) -> dict:
@@ -228,7 +268,7 @@ def executor_parameters(cfg: Config, cpus_per_node: int = 0) -> dict:
     sbatch = {"signal": f"{s.signal}@{s.signal_delay_s}", "requeue": True, **s.sbatch}
     parameters = dict(
         nodes=cfg.trainer.nodes,
-        ntasks_per_node=procs_per_node(cfg.trainer),
+        ntasks_per_node=tasks_per_node(cfg),
         time=s.time_min,
         job_name=cfg.name,
         additional_parameters=sbatch,
@@ -265,7 +305,8 @@ def submit(cfg: Config, run_dir: Path, snapshot: Path):
 
     executor = submitit.SlurmExecutor(folder=slurm_folder(run_dir), python=task_python())
     executor.update_parameters(**executor_parameters(cfg, node_cpus(cfg.launcher.partition)))
-    task = SlurmTask(str(snapshot), cfg.launcher.max_requeues, f"SIG{cfg.launcher.signal}")
+    task = SlurmReplicaNode(str(snapshot)) if cfg.trainer.fault_tolerance == "replicas" else \
+        SlurmTask(str(snapshot), cfg.launcher.max_requeues, f"SIG{cfg.launcher.signal}")
     job = executor.submit(task)
     record = {"job_id": job.job_id, "submitted": time.time(), "nodes": cfg.trainer.nodes, "tasks": procs_per_node(cfg.trainer)}
     with open(slurm_folder(run_dir) / JOBS_FILE, "a") as f:
@@ -310,7 +351,7 @@ class Slurm(SubmittingBackend):
         for key, value, minimum in (("launcher.time_min", s.time_min, 1), ("launcher.max_requeues", s.max_requeues, 0)):
             if value < minimum:
                 problems.append(f"{key}={value} must be at least {minimum}.")
-        if s.max_restarts:
+        if s.max_restarts and cfg.trainer.fault_tolerance != "replicas":
             problems.append(
                 f"launcher.max_restarts={s.max_restarts} restarts the workers of a local launch (torch elastic); a SLURM "
                 f"job ends when a rank fails, and a new launch of the same command resumes it: leave launcher.max_restarts "

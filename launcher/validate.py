@@ -340,10 +340,11 @@ def _check_fault_tolerance(cfg: Config, problems: list[str]) -> None:
         problems.append(f"trainer.replica_groups={t.replica_groups} must be a multiple of trainer.nodes={t.nodes} "
                         f"whose share per node divides the processes per node ({procs_per_node(t)}): every group "
                         f"lies within one node and gets an equal share of it. Pick another count, {fix}.")
-    if cfg.launcher.name != "local":
-        problems.append(f"trainer.fault_tolerance=replicas runs with launcher=local for now (the Lighthouse on the "
-                        f"first node, each node's groups under their own agents); launcher={cfg.launcher.name} is not "
-                        f"supported yet: run the same command on every node with launcher.rdzv_endpoint, {fix}.")
+    if cfg.launcher.name not in ("local", "slurm"):
+        problems.append(f"trainer.fault_tolerance=replicas runs with launcher=local or slurm for now (the Lighthouse "
+                        f"on the first node, each node's groups under their own agents); launcher={cfg.launcher.name} "
+                        f"is not supported yet: use launcher=slurm, or run the same command on every node with "
+                        f"launcher=local launcher.rdzv_endpoint, {fix}.")
     if not 1 <= t.min_replicas <= t.replica_groups:
         problems.append(f"trainer.min_replicas={t.min_replicas} must be between 1 and trainer.replica_groups="
                         f"{t.replica_groups}: the groups a step needs.")

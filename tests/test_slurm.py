@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import torch
 
-from conftest import FAST, final_checkpoint, logged_steps, read_metrics, shared_lock
+from conftest import FAST, FAULTS_DIR, final_checkpoint, logged_steps, read_metrics, shared_lock
 from conftest import wait_for as _wait_for
 from launcher.slurm import job_state
 from launcher.slurm import clear_unfinished_result, export_env_from_slurm, recorded_jobs, slurm_folder
@@ -221,6 +221,27 @@ def test_cancel_is_reported_as_cancelled(cluster, launch, tmp_path):
     wait_until_ended([job_id], run_dir, timeout=120, want="CANCELLED")
     status = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(run_dir)], capture_output=True, text=True, timeout=60)
     assert "CANCELLED" in status.stdout
+
+
+def test_replica_groups_one_per_node_a_killed_one_restarts_on_its_node_and_heals(cluster, launch, tmp_path):
+    """trainer.fault_tolerance=replicas under SLURM: a task per node runs its group under an agent; n1 hosts the
+    Lighthouse on the job's port. Group 1 (on n2) is killed at step 10, restarted there alone, and heals from group
+    0, which never stops; the job completes with both groups' weights identical."""
+    run_dir = tmp_path / "run"
+    env = {"PYTHONPATH": str(FAULTS_DIR), "FAULT": "kill", "FAULT_GROUP": "1", "FAULT_RANK": "0", "FAULT_STEP": "10",
+           "STEP_DELAY_MS": "100"}
+    proc = launch(*JOB, "trainer.fault_tolerance=replicas", "trainer.replica_groups=2", "launcher.max_restarts=1",
+                  "trainer.epochs=2", f"hydra.run.dir={run_dir}", env=env)
+    assert proc.returncode == 0, proc.stderr
+    job_id = submitted_job_id(proc.stdout)
+    wait_until_ended([job_id], run_dir)
+    logs = "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "slurm").rglob("*_log.*")))
+    assert "restarting the workers (restart 1 of 1)" in logs
+    assert logs.count("healed from a live replica group: at step") == 1
+    steps = [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"]  # group 0's, on n1
+    assert steps == sorted(set(steps)) and steps[-1] == final_checkpoint(run_dir)["step"]
+    for group in (0, 1):
+        assert f"replica group {group}: weights identical to the other groups' at step {steps[-1]} (2 taking part)" in logs
 
 
 def test_a_partition_that_does_not_exist_is_refused(cluster, launch, tmp_path):
