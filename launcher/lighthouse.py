@@ -50,8 +50,13 @@ def meeting_place(cfg: Config) -> Iterator[Meeting]:
         return
     host, _, port = cfg.launcher.rdzv_endpoint.rpartition(":")
     timeout = timedelta(seconds=cfg.launcher.rdzv_timeout_s)
-    first = hosts_rendezvous(host)
-    store = TCPStore(host, int(port), is_master=first, wait_for_workers=False, timeout=timeout)
+    store, first = None, hosts_rendezvous(host)
+    if first:
+        try:
+            store = TCPStore(host, int(port), is_master=True, wait_for_workers=False, timeout=timeout)
+        except RuntimeError:  # taken: several nodes on one machine (containers, a test cluster), another hosts it
+            first = False
+    store = store or TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timeout)
     lighthouse = None
     if first:
         lighthouse, address = start_lighthouse(cfg, "0.0.0.0", advertise=host)
@@ -83,11 +88,16 @@ def start_lighthouse(cfg: Config, bind: str, advertise: str = "127.0.0.1") -> tu
     for 10 s at most while enough groups are there."""
     with hold_free_port(bind) as held:  # until the Lighthouse listens there: no other process takes it
         port = held.getsockname()[1]
-        lighthouse = subprocess.Popen(
-            [_lighthouse_binary(), "--min_replicas", str(cfg.trainer.min_replicas),
-             "--bind", f"{bind}:{port}", "--join_timeout_ms", "10000", "--quorum_tick_ms", "50",
-             "--heartbeat_timeout_ms", "2000"],
-            env={"RUST_LOG": "warn", **os.environ}, stdout=subprocess.DEVNULL, preexec_fn=die_with_launcher)
+        try:
+            lighthouse = subprocess.Popen(
+                [_lighthouse_binary(), "--min_replicas", str(cfg.trainer.min_replicas),
+                 "--bind", f"{bind}:{port}", "--join_timeout_ms", "10000", "--quorum_tick_ms", "50",
+                 "--heartbeat_timeout_ms", "2000"],
+                env={"RUST_LOG": "warn", **os.environ}, stdout=subprocess.DEVNULL, preexec_fn=die_with_launcher)
+        except FileNotFoundError:
+            raise RuntimeError(f"torchft's Lighthouse (torchft_lighthouse) is not installed on {socket.gethostname()}: "
+                               f"install torchft==0.2.0 (the project's [ft] extra) in the environment every node "
+                               f"runs, or leave trainer.fault_tolerance out.") from None
         deadline = time.monotonic() + LISTEN_TIMEOUT_S
         while not _listens(port):
             if lighthouse.poll() is not None or time.monotonic() > deadline:

@@ -133,7 +133,9 @@ def launch_replica_groups(cfg: Config, snapshot: Path) -> int:
             per_node = cfg.trainer.replica_groups // cfg.trainer.nodes
             for group in range(meeting.node * per_node, (meeting.node + 1) * per_node):
                 # torchft logs every quorum at INFO (a line per step and group): its warnings only, unless asked
-                env = {"RUST_LOG": "warn", **os.environ, REPLICA_GROUP_ENV: str(group),
+                # PARENT_ENV: the group's agent dies with this process (an inherited value names this one's parent:
+                # under Ray, the node's actor; the agent then took itself for orphaned and ended at once, silently)
+                env = {"RUST_LOG": "warn", **os.environ, REPLICA_GROUP_ENV: str(group), PARENT_ENV: str(os.getpid()),
                        LIGHTHOUSE_ENV: meeting.lighthouse, START_STORE_ENV: meeting.store}
                 groups.append(subprocess.Popen([sys.executable, "-u", "-P", "-m", "launcher.replicas", str(snapshot),
                                                 str(group)], env=env, preexec_fn=die_with_launcher))

@@ -2,7 +2,8 @@
 
 The same as `python -m launcher trainer.nodes=N launcher.rdzv_endpoint=HOST:PORT` on each node, without composing
 or holding anything: the config is the run's snapshot, the run directory is held by the job, and restarts are the
-job's (launcher/ray_job.py), so this agent makes none of its own.
+job's (launcher/ray_job.py), so this agent makes none of its own (but under replica groups, where each group's agent
+restarts its group alone, as on any node).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from train.dist import die_with_parent
 def main(snapshot: str, endpoint: str) -> int:
     die_with_parent()  # with the actor that started it (however it ends: a lost node, ray.kill)
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(snapshot))
-    cfg.launcher.rdzv_endpoint, cfg.launcher.max_restarts = endpoint, 0
+    cfg.launcher.rdzv_endpoint = endpoint
+    if cfg.trainer.fault_tolerance != "replicas":  # replica groups: each group's agent restarts it alone
+        cfg.launcher.max_restarts = 0
     return Local().start(cfg, Path(snapshot).parent, Path(snapshot))
 
 

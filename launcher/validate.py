@@ -321,8 +321,8 @@ def _check_same_run(cfg: Config, run_dir: Path, problems: list[str]) -> None:
 
 
 def _check_fault_tolerance(cfg: Config, problems: list[str]) -> None:
-    """trainer.fault_tolerance=replicas where it holds today: ddp or fsdp replica groups, each within a node,
-    launched by launcher=local (on several nodes, the same command on each)."""
+    """trainer.fault_tolerance=replicas where it holds today: ddp or fsdp replica groups, each within a node (every
+    backend runs a node's groups under their own agents, the first node the Lighthouse)."""
     t = cfg.trainer
     if not _choice(problems, "trainer.fault_tolerance", t.fault_tolerance, ["none", "replicas"]) or t.fault_tolerance == "none":
         return
@@ -340,11 +340,6 @@ def _check_fault_tolerance(cfg: Config, problems: list[str]) -> None:
         problems.append(f"trainer.replica_groups={t.replica_groups} must be a multiple of trainer.nodes={t.nodes} "
                         f"whose share per node divides the processes per node ({procs_per_node(t)}): every group "
                         f"lies within one node and gets an equal share of it. Pick another count, {fix}.")
-    if cfg.launcher.name not in ("local", "slurm"):
-        problems.append(f"trainer.fault_tolerance=replicas runs with launcher=local or slurm for now (the Lighthouse "
-                        f"on the first node, each node's groups under their own agents); launcher={cfg.launcher.name} "
-                        f"is not supported yet: use launcher=slurm, or run the same command on every node with "
-                        f"launcher=local launcher.rdzv_endpoint, {fix}.")
     if not 1 <= t.min_replicas <= t.replica_groups:
         problems.append(f"trainer.min_replicas={t.min_replicas} must be between 1 and trainer.replica_groups="
                         f"{t.replica_groups}: the groups a step needs.")

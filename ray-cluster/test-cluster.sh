@@ -37,7 +37,7 @@ PY
 case "${1:-}" in
   install)
     python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q torch==2.13.0 'ray[default]==2.60.0' -e "$REPO"
+    "$VENV/bin/pip" install -q torch==2.13.0 'ray[default]==2.60.0' 'torchft==0.2.0' -e "$REPO"  # torchft: replica groups
     ;;
   start)
     ray start --head --node-ip-address=$HEAD --port=$GCS_PORT --dashboard-host=$HEAD --dashboard-port=$DASHBOARD_PORT \

@@ -157,7 +157,6 @@ def test_a_whole_job_restart_resumes_both_groups_from_the_disk_checkpoint(tmp_pa
     (["trainer.procs_per_node=3"], "whose share per node divides the processes per node (3)"),
     (["trainer.nodes=2", "trainer.replica_groups=3", "launcher.rdzv_endpoint=localhost:29400"],
      "trainer.replica_groups=3 must be a multiple of trainer.nodes=2"),
-    (["launcher=ray"], "trainer.fault_tolerance=replicas runs with launcher=local or slurm for now"),
     (["trainer.min_replicas=3"], "trainer.min_replicas=3 must be between 1 and trainer.replica_groups=2"),
     (["trainer.fault_tolerance=groups"], "trainer.fault_tolerance"),
 ])
