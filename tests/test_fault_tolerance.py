@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import FAULTS_DIR, IDENTITY, final_checkpoint, read_metrics
-from test_multinode import node
+from test_multinode import node, nodes
 
 GROUPS = [*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.fault_tolerance=replicas"]
 
@@ -109,17 +109,13 @@ def test_two_nodes_a_group_each_the_killed_one_heals_from_the_first_nodes(tmp_pa
     overrides = [*GROUPS, "trainer.nodes=2", "trainer.procs_per_node=1", "trainer.epochs=4", "trainer.max_steps=64",
                  "trainer.log_every=2", "launcher.max_restarts=1", f"launcher.rdzv_endpoint=n1:{port}",
                  "launcher.rdzv_timeout_s=120", f"hydra.run.dir={run_dir}"]
-    logs, procs = {name: tmp_path / f"{name}.log" for name in ("n1", "n2")}, []
+    logs = {name: tmp_path / f"{name}.log" for name in ("n1", "n2")}
     env = {**os.environ, **killed(group=1, step=10)}
-    try:
+    with nodes([]) as procs:
         for name in ("n1", "n2"):
             with open(logs[name], "w") as log:
                 procs.append(node(name, hosts, overrides, tmp_path, log, env=env))
         codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     n1, n2 = logs["n1"].read_text(), logs["n2"].read_text()
     print(f"--- n1\n{n1}\n--- n2\n{n2}")
     assert codes == [0, 0]

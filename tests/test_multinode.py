@@ -4,6 +4,7 @@ rendezvous, one shared run directory."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -30,6 +31,17 @@ def node(name: str, hosts, overrides: list[str], cwd, log, env: dict | None = No
     return subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
 
 
+@contextlib.contextmanager
+def nodes(procs: list[subprocess.Popen]):
+    """The node launchers started inside the block, killed if any is still running when it ends."""
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -42,8 +54,7 @@ def test_two_nodes_share_one_run_directory_and_the_first_says_what_it_waits_for(
     run_dir, port = tmp_path / "run", free_port()
     overrides = [*RUN, f"launcher.rdzv_endpoint=n1:{port}", "launcher.rdzv_timeout_s=120", f"hydra.run.dir={run_dir}"]
     logs = {name: tmp_path / f"{name}.log" for name in ("n1", "n2")}
-    procs = []
-    try:
+    with nodes([]) as procs:
         with open(logs["n1"], "w") as log:
             procs.append(node("n1", hosts, overrides, tmp_path, log))
         wait_for(lambda: "waiting for 1 of 2 nodes at n1:" in logs["n1"].read_text(), timeout=60,
@@ -51,10 +62,6 @@ def test_two_nodes_share_one_run_directory_and_the_first_says_what_it_waits_for(
         with open(logs["n2"], "w") as log:
             procs.append(node("n2", hosts, overrides, tmp_path, log))
         codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     n1, n2 = logs["n1"].read_text(), logs["n2"].read_text()
     print(f"--- n1\n{n1}\n--- n2\n{n2}")
     assert codes == [0, 0]
