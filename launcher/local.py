@@ -131,7 +131,8 @@ def launch_replica_groups(cfg: Config, snapshot: Path) -> int:
     with meeting_place(cfg) as meeting:
         try:
             per_node = cfg.trainer.replica_groups // cfg.trainer.nodes
-            for group in range(meeting.node * per_node, (meeting.node + 1) * per_node):
+            mine = range(meeting.node * per_node, (meeting.node + 1) * per_node)
+            for group in mine:
                 # torchft logs every quorum at INFO (a line per step and group): its warnings only, unless asked
                 # PARENT_ENV: the group's agent dies with this process (an inherited value names this one's parent:
                 # under Ray, the node's actor; the agent then took itself for orphaned and ended at once, silently)
@@ -143,7 +144,7 @@ def launch_replica_groups(cfg: Config, snapshot: Path) -> int:
             codes = [group.wait() for group in groups]
             stop()
             if any(codes) and read_status(snapshot.parent).get("status") == "finished":
-                failed = [g for g, c in zip(range(meeting.node * per_node, (meeting.node + 1) * per_node), codes) if c]
+                failed = [g for g, c in zip(mine, codes) if c]
                 print(f"warning: replica group(s) {failed} failed for good; the others finished the run", file=sys.stderr)
                 return 0
             return max(codes, key=abs)

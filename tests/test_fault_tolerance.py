@@ -6,14 +6,13 @@ refused before start."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 
 import pytest
 import torch
 
 from conftest import FAULTS_DIR, IDENTITY, final_checkpoint, read_metrics
-from test_multinode import node, nodes
+from test_multinode import NEEDS_NAMESPACES, node, nodes
 
 GROUPS = [*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.fault_tolerance=replicas"]
 
@@ -95,7 +94,7 @@ def test_a_group_back_as_the_others_end_heals_in_their_last_quorum_and_checks_it
         assert f"replica group {group}: weights identical to the other groups' at step 24 (2 taking part)" in proc.stdout
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare, as CI has")
+@NEEDS_NAMESPACES
 def test_two_nodes_a_group_each_the_killed_one_heals_from_the_first_nodes(tmp_path):
     """Two launchers acting as nodes n1 and n2 (tests/test_multinode.py), a replica group on each: n1 hosts the
     Lighthouse and the groups' store on launcher.rdzv_endpoint; group 1, on n2, is killed, restarts there alone and

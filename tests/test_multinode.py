@@ -15,9 +15,10 @@ import pytest
 
 from conftest import FAST, final_checkpoint, wait_for
 
-pytestmark = pytest.mark.skipif(
+NEEDS_NAMESPACES = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare (namespaces, as CI has)"
 )
+pytestmark = NEEDS_NAMESPACES
 
 RUN = [*FAST, "data=synthetic", "data.num_samples=512", "data.batch_size=16", "model=mlp", "model.hidden=[32]",
        "trainer.nodes=2", "trainer.procs_per_node=1", "trainer.max_steps=20", "trainer.eval_every=0"]
