@@ -36,8 +36,17 @@ PY
 
 case "${1:-}" in
   install)
+    # The project's dependencies, and its packages as links to this checkout (the same code, as an editable install
+    # gives, without building metadata in the checkout while .ci/run's own install does; not the checkout itself on
+    # the path, which `python -m launcher` takes off it when run from there). torchft: replica groups.
     python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q torch==2.13.0 'ray[default]==2.60.0' 'torchft==0.2.0' -e "$REPO"  # torchft: replica groups
+    mapfile -t deps < <(python3 -c 'import sys, tomllib
+print(*tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"], sep="\n")' "$REPO/pyproject.toml")
+    "$VENV/bin/pip" install -q torch==2.13.0 'ray[default]==2.60.0' 'torchft==0.2.0' "${deps[@]}"
+    mkdir -p "$VENV/checkout"
+    ln -sfn "$REPO/launcher" "$VENV/checkout/launcher"
+    ln -sfn "$REPO/train" "$VENV/checkout/train"
+    echo "$VENV/checkout" >"$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ddp_launcher.pth"
     ;;
   start)
     ray start --head --node-ip-address=$HEAD --port=$GCS_PORT --dashboard-host=$HEAD --dashboard-port=$DASHBOARD_PORT \

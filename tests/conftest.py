@@ -58,6 +58,19 @@ def _alone_if_timed(request):
         yield
 
 
+def cluster_started(name: str) -> None:
+    """Where .ci/run still starts test cluster `name` in the background (beside the install: CI_CLUSTERS names the
+    folder of each start's log and exit status), wait for that start to end; fail, with its log, if it failed."""
+    folder = os.environ.get("CI_CLUSTERS")
+    if not folder:
+        return
+    status, log = Path(folder) / f"{name}.status", Path(folder) / f"{name}.log"
+    wait_for(status.exists, timeout=900, what=f"the {name} test cluster's start ({log})", poll=1)
+    if status.read_text().strip() != "0":
+        tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
+        pytest.fail(f"the {name} test cluster did not start (exit {status.read_text().strip()}; {log}):\n{tail}")
+
+
 # Small, fast settings for runs that check mechanics rather than accuracy.
 FAST = ["trainer.progress=lines", "trainer.threads=1"]
 

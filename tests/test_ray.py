@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAULTS_DIR, IDENTITY, REPO, final_checkpoint, logged_steps, run_cli, shared_lock, wait_for
+from conftest import FAULTS_DIR, IDENTITY, REPO, cluster_started, final_checkpoint, logged_steps, run_cli, shared_lock
+from conftest import wait_for
 
 ADDRESS = os.environ.get("RAY_ADDRESS", "http://127.0.0.2:8265")
 CLUSTER = REPO / "ray-cluster" / "test-cluster.sh"
@@ -37,6 +38,7 @@ def cluster_up() -> bool:
 
 @pytest.fixture(scope="module")
 def cluster():
+    cluster_started("ray")
     if not cluster_up():
         if os.environ.get("REQUIRE_RAY"):
             pytest.fail(f"REQUIRE_RAY is set but no two-node Ray cluster answers at {ADDRESS} (ray-cluster/test-cluster.sh start)")

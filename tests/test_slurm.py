@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import torch
 
-from conftest import FAST, FAULTS_DIR, final_checkpoint, logged_steps, read_metrics, shared_lock
+from conftest import FAST, FAULTS_DIR, cluster_started, final_checkpoint, logged_steps, read_metrics, shared_lock
 from conftest import wait_for as _wait_for
 from launcher.slurm import job_state
 from launcher.slurm import clear_unfinished_result, export_env_from_slurm, recorded_jobs, slurm_folder
@@ -33,6 +33,7 @@ def cluster_up() -> bool:
 def cluster():
     if "SLURM_CONF" not in os.environ and Path(DEFAULT_CONF).exists():
         os.environ["SLURM_CONF"] = DEFAULT_CONF
+    cluster_started("slurm")
     if not cluster_up():
         if os.environ.get("REQUIRE_SLURM"):
             pytest.fail("REQUIRE_SLURM is set but no SLURM cluster answers (slurm/test-cluster.sh start)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 
+import pytest
 import torch
 
 from conftest import REPO
@@ -139,3 +140,24 @@ def test_the_collector_is_off_only_while_a_process_imports():
     source = (REPO / "launcher" / "__main__.py").read_text()
     cli = source[source.index("def cli"):]
     assert cli.index("gc.enable()") < cli.index("main()")  # the launcher turns it on before it does anything else
+
+
+def test_ci_waits_for_a_cluster_still_starting_and_names_the_log_of_one_that_failed(tmp_path, monkeypatch):
+    """.ci/run starts the test clusters beside the install; a cluster's tests wait for its start to end, and a
+    failed start fails them with its log instead of a bare "no cluster answers"."""
+    import threading
+
+    from conftest import cluster_started
+
+    monkeypatch.setenv("CI_CLUSTERS", str(tmp_path))
+    (tmp_path / "ray.log").write_text("ray start: the GCS did not come up\n")
+    finish = threading.Timer(0.2, lambda: (tmp_path / "ray.status").write_text("0\n"))
+    finish.start()
+    cluster_started("ray")  # returns once the status is there
+    assert (tmp_path / "ray.status").exists()
+    (tmp_path / "slurm.log").write_text("apt-get: unable to fetch slurmctld\n")
+    (tmp_path / "slurm.status").write_text("100\n")
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)slurm test cluster did not start \(exit 100.*unable to fetch"):
+        cluster_started("slurm")
+    monkeypatch.delenv("CI_CLUSTERS")
+    cluster_started("slurm")  # outside CI: nothing to wait for (the fixture then asks the cluster itself)
