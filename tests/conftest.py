@@ -49,12 +49,40 @@ def shared_lock(name: str, exclusive: bool):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def raised_priority(by: int = 10):
+    """This process (and what it starts meanwhile) `by` nice levels above the others while inside; PermissionError
+    where it may not (it takes root, or CAP_SYS_NICE)."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, before - by)
+    try:
+        yield
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, before)
+
+
+def may_raise_priority() -> bool:
+    try:
+        with raised_priority():
+            return True
+    except PermissionError:
+        return False
+
+
 @pytest.fixture(autouse=True)
 def _alone_if_timed(request):
     """Under `pytest -n 2` (pytest-xdist, --dist=loadfile) two tests run at once. A test marked `alone` asserts
     time limits of a few seconds (hang and collective timeouts, slow I/O, one rank's stall against the other's):
-    it runs with no other test beside it, so that the other's processes cannot starve its ranks."""
-    with shared_lock("alone", exclusive=request.node.get_closest_marker("alone") is not None):
+    the other test's processes must not starve its ranks. Where this process may raise its priority (as root, as
+    in CI), an `alone` test runs at nice -10 beside the other test, whose processes then get about a tenth of the
+    CPU its ranks ask for (the other test slows, it does not wait); elsewhere it runs with no other test beside it.
+    Either way `alone` tests run one at a time."""
+    alone = request.node.get_closest_marker("alone") is not None
+    if alone and may_raise_priority():
+        with shared_lock("alone-prioritized", exclusive=True), raised_priority():
+            yield
+        return
+    with shared_lock("alone", exclusive=alone):
         yield
 
 
