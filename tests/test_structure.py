@@ -4,6 +4,7 @@ other without a cycle, counting imports inside functions (a cycle held together 
 from __future__ import annotations
 
 import ast
+import os
 
 import pytest
 import torch
@@ -161,3 +162,19 @@ def test_ci_waits_for_a_cluster_still_starting_and_names_the_log_of_one_that_fai
         cluster_started("slurm")
     monkeypatch.delenv("CI_CLUSTERS")
     cluster_started("slurm")  # outside CI: nothing to wait for (the fixture then asks the cluster itself)
+
+
+@pytest.mark.alone
+def test_an_alone_test_and_what_it_starts_run_prioritized_where_the_process_may_raise_its_priority():
+    """As root (CI) an `alone` test runs at nice -10 beside the other test (tests/conftest.py _alone_if_timed),
+    its launches too; elsewhere at the pytest run's own priority, with no other test beside it."""
+    import subprocess
+    import sys
+
+    from conftest import may_raise_priority
+
+    expected = os.getpriority(os.PRIO_PROCESS, os.getppid()) - (10 if may_raise_priority() else 0)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == expected
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"],
+                           capture_output=True, text=True, check=True)
+    assert int(child.stdout) == expected
