@@ -2,7 +2,8 @@
 # A Ray cluster of two nodes on this machine, for the tests of launcher=ray and for trying it out:
 # the head on 127.0.0.2 (GCS port 6390, Jobs API and dashboard on http://127.0.0.2:8265) and a worker on 127.0.0.3,
 # each a node of its own to Ray (two raylets on one address would look like one node). The cluster has its own
-# environment, as a real cluster's image would: a venv with torch, Ray and this project (editable: the same code).
+# environment, as a real cluster's image would: a venv with torch, Ray, torchft and this project's dependencies, and
+# links to this checkout's packages (the same code).
 #
 #   ray-cluster/test-cluster.sh install       # the cluster's venv (~1 min, once)
 #   ray-cluster/test-cluster.sh start         # both nodes; prints the address to use (RAY_ADDRESS)
