@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import subprocess
@@ -61,6 +62,7 @@ def raised_priority(by: int = 10):
         os.setpriority(os.PRIO_PROCESS, 0, before)
 
 
+@functools.cache  # the permission does not change during a run
 def may_raise_priority() -> bool:
     try:
         with raised_priority():
