@@ -17,4 +17,5 @@ while "" in sys.path or _here in sys.path:
     sys.path.remove("" if "" in sys.path else _here)
 import train  # noqa: E402,F401  (ours, before the working directory can offer a train.py of its own)
 
+RANK_SYS_PATH = list(sys.path)  # a rank's (`python -P`), for the zygote the launcher forks (train/zygote.py)
 sys.path.append(_here)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from launcher.network import hold_free_port, hosts_rendezvous
 from launcher.schema import Config
-from train.dist import die_with
+from train.host import die_with
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # where a group's Manager finds it
 LISTEN_TIMEOUT_S = 30

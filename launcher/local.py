@@ -31,7 +31,9 @@ from launcher.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.lighthouse import LIGHTHOUSE_ENV, die_with_launcher, meeting_place
 from launcher.network import check_network, hosts_rendezvous, port_in_use
 from launcher.schema import Config
-from train.dist import PARENT_ENV, available_cores
+from train.dist import available_cores
+from train.host import PARENT_ENV
+from train import zygote
 from train.fault_tolerance import REPLICA_GROUP_ENV, START_STORE_ENV
 from train.parallel.layout import procs_per_node
 from train.observe.status import read_status, write_status
@@ -73,7 +75,8 @@ def launch_local(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfi
     os.environ[PARENT_ENV] = str(os.getpid())
     # -P: not the working directory first on the path (a user's train.py there is not our `train`); the user's
     # modules come from the snapshot's import_path, after ours.
-    run_agent(config or launch_config(cfg, run_dir), sys.executable, ["-u", "-P", "-m", "train", str(snapshot)])
+    with zygote.preloaded(snapshot) if cfg.launcher.preload_ranks else contextlib.nullcontext():
+        run_agent(config or launch_config(cfg, run_dir), sys.executable, ["-u", "-P", "-m", "train", str(snapshot)])
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from launcher.local import Local
 from launcher.schema import Config
-from train.dist import die_with_parent
+from train.host import die_with_parent
 
 
 def main(snapshot: str, endpoint: str) -> int:

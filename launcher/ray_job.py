@@ -28,7 +28,7 @@ from launcher.backend import lease_holder_alive
 from launcher.lease import Lease, Renewer, read_lease
 from launcher.ray_backend import bundle
 from launcher.schema import Config
-from train.dist import PARENT_ENV
+from train.host import PARENT_ENV
 from train.observe.status import read_status, write_status
 
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM

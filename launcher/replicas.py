@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from launcher.local import launch_config, run_workers
 from launcher.schema import Config
-from train.dist import die_with_parent
+from train.host import die_with_parent
 from train.parallel.layout import procs_per_node
 
 

@@ -4,7 +4,14 @@ Under plain torchrun (`torchrun --nproc-per-node 2 -m train RUN_DIR/config.yaml`
 without any launcher it trains as a single process.
 """
 
-import gc
+import os
+
+if os.environ.get("TRAIN_ZYGOTE"):  # under the launcher: a process that has imported torch forks this rank
+    from train.zygote import relay
+
+    relay(os.environ["TRAIN_ZYGOTE"])  # returns only when there is none to ask: this process is the rank
+
+import gc  # noqa: E402
 
 # No cyclic collection until the imports are done (train.host.freeze_imported_objects enables it again): torch's and
 # dynamo's imports make millions of lasting objects, and each collection they set off traversed all made so far
@@ -12,11 +19,11 @@ import gc
 gc.disable()
 
 import argparse  # noqa: E402
-import os  # noqa: E402
 
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-from train.dist import die_with_parent, exit_without_finalizing  # noqa: E402
+from train.dist import exit_without_finalizing  # noqa: E402
+from train.host import die_with_parent  # noqa: E402
 from train.finite import NONFINITE_EXIT_CODE, NonFiniteLoss  # noqa: E402
 from train.run import main  # noqa: E402
 

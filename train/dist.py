@@ -8,10 +8,8 @@ single process.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -148,36 +146,6 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, timeout
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
         )
-
-
-# Set by the local launcher to its pid: the workers die with it. Its run directory's lease ends with it, and a
-# new launch may take the directory over; workers left running would be a second writer.
-PARENT_ENV = "TRAIN_DIE_WITH_PARENT"
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Under a launcher that sets PARENT_ENV, this process is killed when its parent (the launcher) dies."""
-    parent = os.environ.get(PARENT_ENV, "")
-    if parent.isdigit():
-        die_with(int(parent))
-
-
-def die_with_rank(worker_id: int, rank_pid: int) -> None:
-    """A loader worker's init (functools.partial(die_with_rank, rank_pid=os.getpid()) in the rank): the worker is
-    killed when its rank ends. A worker blocked inside the data set's own code (a read that never returns) never
-    reaches the DataLoader's check that its parent lives: it outlived a rank killed as hung, and held the job's
-    output pipes open, so the job never ended for whoever waited on them."""
-    die_with(rank_pid)
-
-
-def die_with(parent: int) -> None:
-    """This process is SIGKILLed when `parent` ends (Linux: a parent-death signal)."""
-    if not sys.platform.startswith("linux"):
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # it died before the prctl took effect
-        os._exit(1)
 
 
 def exit_without_finalizing(code: int = 0) -> None:

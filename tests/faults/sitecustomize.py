@@ -24,188 +24,230 @@ restart runs clean):
   FAULT=kill_at_end  SIGKILL itself at the run's last evaluation, after its last step (first attempt)
   STEP_DELAY_MS   every optimizer step of every rank, in every attempt, takes this much longer (a slower model),
                   beside any FAULT
+  TRACE_START=1 every rank, in every attempt, prints how it started, when it starts:
+                "[start rank R attempt A] pid P parent Q grandparent G preloaded True|False" (preloaded: torch's
+                dynamo was imported before the rank's own code ran, i.e. it was forked from a zygote)
   FAULT=trace_io  every checkpoint stream of this rank (of every rank with FAULT_RANK=all) is printed as it opens:
                 "[io rank R] writing step_00000003/__0_0.distcp" (what each rank reads, writes and hashes); slow_io
                 prints them too
 """
 
 import os
+import sys
 
-if os.environ.get("FAULT") == "take_port" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0") \
-        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-    import socket
 
-    _taken = socket.socket()  # a module global: held for the life of this process
-    try:
-        _taken.bind(("", int(os.environ["MASTER_PORT"])))
-        print(f"[fault] took MASTER_PORT {os.environ['MASTER_PORT']}", flush=True)
-    except OSError as error:
-        print(f"[fault] MASTER_PORT {os.environ['MASTER_PORT']} was held: {error}", flush=True)
-        _taken.close()
+def replace(module, name: str, new) -> None:
+    """module.name = new, in the module and in every module that imported the name from it already: a rank forked
+    from the zygote (train/zygote.py) has imported the trainer before its faults are set up."""
+    old = getattr(module, name)
+    for imported in list(sys.modules.values()):
+        try:
+            if getattr(imported, name, None) is old:
+                setattr(imported, name, new)
+        except Exception:  # a module with an unusual __getattr__
+            pass
 
-elif os.environ.get("FAULT") in ("slow_io", "stuck_io", "trace_io") \
-        and os.environ.get("FAULT_RANK", "0") in (os.environ.get("RANK"), "all"):
-    # Every checkpoint stream of a training rank is opened under Watchdog.io and reports each chunk to it: the
-    # delay goes there, after every chunk (shrunk to 1 kB), for reads, writes and hashing, in both formats.
-    import contextlib
-    import threading
 
-    import train.checkpoint.io
-    import train.observe.watchdog
+def act() -> None:
+    """The faults this process's environment asks for."""
+    global _taken, _acted
+    _acted = True
+    if os.environ.get("TRACE_START"):
+        parent = os.getppid()
+        grandparent = open(f"/proc/{parent}/stat").read().rsplit(")", 1)[1].split()[1]
+        os.write(2, f"[start rank {os.environ['RANK']} attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}] pid "
+                    f"{os.getpid()} parent {parent} grandparent {grandparent} preloaded {'torch._dynamo' in sys.modules}\n".encode())
+    if os.environ.get("FAULT") == "take_port" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0") \
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        import socket
 
-    fault, first_attempt = os.environ["FAULT"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    delay = int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000 if fault == "slow_io" else 0
-    stuck = fault == "stuck_io" and first_attempt
-    if fault != "trace_io":
-        train.checkpoint.io.CHUNK_BYTES = 1024
-    watch_io = train.observe.watchdog.Watchdog.io
+        _taken = socket.socket()  # a module global: held for the life of this process
+        try:
+            _taken.bind(("", int(os.environ["MASTER_PORT"])))
+            print(f"[fault] took MASTER_PORT {os.environ['MASTER_PORT']}", flush=True)
+        except OSError as error:
+            print(f"[fault] MASTER_PORT {os.environ['MASTER_PORT']} was held: {error}", flush=True)
+            _taken.close()
 
-    @contextlib.contextmanager
-    def slow_io(self, what):
-        if not stuck:  # every opened stream is printed (the tests read who reads, writes and hashes what)
-            # One write() per line: the ranks share stderr, and a line cut by another rank's would not parse.
-            os.write(2, f"[io rank {os.environ.get('RANK')}] {what}\n".encode())
-        with watch_io(self, what) as progress:
-            last = [0]
+    elif os.environ.get("FAULT") in ("slow_io", "stuck_io", "trace_io") \
+            and os.environ.get("FAULT_RANK", "0") in (os.environ.get("RANK"), "all"):
+        # Every checkpoint stream of a training rank is opened under Watchdog.io and reports each chunk to it: the
+        # delay goes there, after every chunk (shrunk to 1 kB), for reads, writes and hashing, in both formats.
+        import contextlib
+        import threading
 
-            def slow(done):  # FAULT_DELAY_MS per kB moved, however the stream's user splits its calls
-                moved, last[0] = done - last[0], done
-                progress(done)
-                if stuck and what.startswith("writing") and what.endswith(".distcp"):
-                    print(f"[rank {os.environ.get('RANK')}] stuck writing {what}", flush=True)
-                    threading.Event().wait()
-                if delay:
-                    threading.Event().wait(delay * moved / 1024)
-            yield slow
+        import train.checkpoint.io
+        import train.observe.watchdog
 
-    train.observe.watchdog.Watchdog.io = slow_io
+        fault, first_attempt = os.environ["FAULT"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        delay = int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000 if fault == "slow_io" else 0
+        stuck = fault == "stuck_io" and first_attempt
+        if fault != "trace_io":
+            train.checkpoint.io.CHUNK_BYTES = 1024
+        watch_io = train.observe.watchdog.Watchdog.io
 
-elif os.environ.get("FAULT") == "slow_commit" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0"):
-    import threading
+        @contextlib.contextmanager
+        def slow_io(self, what):
+            if not stuck:  # every opened stream is printed (the tests read who reads, writes and hashes what)
+                # One write() per line: the ranks share stderr, and a line cut by another rank's would not parse.
+                os.write(2, f"[io rank {os.environ.get('RANK')}] {what}\n".encode())
+            with watch_io(self, what) as progress:
+                last = [0]
 
-    import train.checkpoint.dcp
+                def slow(done):  # FAULT_DELAY_MS per kB moved, however the stream's user splits its calls
+                    moved, last[0] = done - last[0], done
+                    progress(done)
+                    if stuck and what.startswith("writing") and what.endswith(".distcp"):
+                        print(f"[rank {os.environ.get('RANK')}] stuck writing {what}", flush=True)
+                        threading.Event().wait()
+                    if delay:
+                        threading.Event().wait(delay * moved / 1024)
+                yield slow
 
-    commit, delay = train.checkpoint.dcp.commit, int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
+        train.observe.watchdog.Watchdog.io = slow_io
 
-    def slow_commit(directory, meta, files):
-        threading.Event().wait(delay)
-        return commit(directory, meta, files)
+    elif os.environ.get("FAULT") == "slow_commit" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0"):
+        import threading
 
-    train.checkpoint.dcp.commit = slow_commit
+        import train.checkpoint.dcp
 
-elif (
-    os.environ.get("FAULT") not in (None, "", "kill_in_save", "slow_commit", "slow_io", "stuck_io", "take_port", "kill_at_end")
-    and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0")
-    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    and os.environ.get("REPLICA_GROUP_ID", "0") == os.environ.get("FAULT_GROUP", os.environ.get("REPLICA_GROUP_ID", "0"))
-):
-    import signal
-    import threading
+        commit, delay = train.checkpoint.dcp.commit, int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
 
-    import train.config
-    import train.step
+        def slow_commit(directory, meta, files):
+            threading.Event().wait(delay)
+            return commit(directory, meta, files)
 
-    kind = os.environ["FAULT"]
-    if kind == "config":
-        def broken_load_config(path):
-            raise ValueError(f"injected config error on rank {os.environ['RANK']}")
+        replace(train.checkpoint.dcp, "commit", slow_commit)
 
-        train.config.load_config = broken_load_config
-    elif kind == "slow_data":
-        import train.data.in_memory
+    elif (
+        os.environ.get("FAULT") not in (None, "", "kill_in_save", "slow_commit", "slow_io", "stuck_io", "take_port", "kill_at_end")
+        and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0")
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        and os.environ.get("REPLICA_GROUP_ID", "0") == os.environ.get("FAULT_GROUP", os.environ.get("REPLICA_GROUP_ID", "0"))
+    ):
+        import signal
+        import threading
 
-        epoch, delay = train.data.in_memory.TrainBatches.epoch, int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
-
-        def slow_epoch(self, *args, **kwargs):
-            for batch in epoch(self, *args, **kwargs):
-                threading.Event().wait(delay)
-                yield batch
-
-        train.data.in_memory.TrainBatches.epoch = slow_epoch
-    elif kind == "slow_forward":
+        import train.config
         import train.step
 
-        init, delay = train.step.ForwardClock.__init__, int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
+        kind = os.environ["FAULT"]
+        if kind == "config":
+            def broken_load_config(path):
+                raise ValueError(f"injected config error on rank {os.environ['RANK']}")
 
-        def slow_init(self, model, *args, **kwargs):
-            init(self, model, *args, **kwargs)
-            # registered after the clock's own pre-hook: the delay falls inside the timed forward
-            def stall(module, args):  # returns None: a pre-hook's return value would replace the input
-                if train.step.torch.is_grad_enabled():
+            replace(train.config, "load_config", broken_load_config)
+        elif kind == "slow_data":
+            import train.data.in_memory
+
+            epoch, delay = train.data.in_memory.TrainBatches.epoch, int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
+
+            def slow_epoch(self, *args, **kwargs):
+                for batch in epoch(self, *args, **kwargs):
                     threading.Event().wait(delay)
+                    yield batch
 
-            model.register_forward_pre_hook(stall)
+            train.data.in_memory.TrainBatches.epoch = slow_epoch
+        elif kind == "slow_forward":
+            import train.step
 
-        train.step.ForwardClock.__init__ = slow_init
-    else:
-        train_step, calls = train.step.train_step, [0]
+            init, delay = train.step.ForwardClock.__init__, int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000
 
-        def faulty_train_step(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == int(os.environ["FAULT_STEP"]):
-                if kind == "slow_compile":
-                    threading.Event().wait(int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000)
-                    return train_step(*args, **kwargs)
-                if kind == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if kind == "term":
-                    os.kill(os.getpid(), signal.SIGTERM)
-                    return train_step(*args, **kwargs)
-                threading.Event().wait()  # hang
-            return train_step(*args, **kwargs)
+            def slow_init(self, model, *args, **kwargs):
+                init(self, model, *args, **kwargs)
+                # registered after the clock's own pre-hook: the delay falls inside the timed forward
+                def stall(module, args):  # returns None: a pre-hook's return value would replace the input
+                    if train.step.torch.is_grad_enabled():
+                        threading.Event().wait(delay)
 
-        train.step.train_step = faulty_train_step
+                model.register_forward_pre_hook(stall)
 
-if os.environ.get("FAULT") == "kill_in_save" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0") \
-        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-    # FAULT=kill_in_save: SIGKILL itself while committing the step directory of step FAULT_STEP (every rank's
-    # shards written, the manifest not yet): with checkpoint.async_save, a crash in the middle of a background write.
-    import signal
+            train.step.ForwardClock.__init__ = slow_init
+        else:
+            train_step, calls = train.step.train_step, [0]
 
-    import train.checkpoint.dcp
+            def faulty_train_step(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == int(os.environ["FAULT_STEP"]):
+                    if kind == "slow_compile":
+                        threading.Event().wait(int(os.environ.get("FAULT_DELAY_MS", "50")) / 1000)
+                        return train_step(*args, **kwargs)
+                    if kind == "kill":
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if kind == "term":
+                        os.kill(os.getpid(), signal.SIGTERM)
+                        return train_step(*args, **kwargs)
+                    threading.Event().wait()  # hang
+                return train_step(*args, **kwargs)
 
-    commit = train.checkpoint.dcp.commit
+            replace(train.step, "train_step", faulty_train_step)
 
-    def killing_commit(directory, meta, files):
-        if meta["step"] == int(os.environ["FAULT_STEP"]):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return commit(directory, meta, files)
+    if os.environ.get("FAULT") == "kill_in_save" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0") \
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        # FAULT=kill_in_save: SIGKILL itself while committing the step directory of step FAULT_STEP (every rank's
+        # shards written, the manifest not yet): with checkpoint.async_save, a crash in the middle of a background write.
+        import signal
 
-    train.checkpoint.dcp.commit = killing_commit
+        import train.checkpoint.dcp
 
+        commit = train.checkpoint.dcp.commit
 
-if os.environ.get("STEP_DELAY_MS") and os.environ.get("RANK") is not None:
-    import threading
-
-    import train.step
-
-    _step, _step_delay = train.step.train_step, int(os.environ["STEP_DELAY_MS"]) / 1000
-
-    def delayed_train_step(*args, **kwargs):
-        threading.Event().wait(_step_delay)
-        return _step(*args, **kwargs)
-
-    train.step.train_step = delayed_train_step
-
-
-
-_group = os.environ.get("REPLICA_GROUP_ID", "0")
-_end_delay = int(os.environ.get("END_DELAY_MS", "0")) / 1000 if _group == os.environ.get("END_DELAY_GROUP", "0") else 0
-_end_kill = os.environ.get("FAULT") == "kill_at_end" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0") \
-    and _group == os.environ.get("FAULT_GROUP", _group) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-if (_end_delay or _end_kill) and os.environ.get("RANK") is not None:
-    import signal
-    import threading
-
-    import train.loop
-
-    _evaluate = train.loop.evaluate_and_save
-
-    def late_evaluate_and_save(run, *args, **kwargs):
-        if run.progress.step >= run.plan.stop_step:
-            if _end_kill:
+        def killing_commit(directory, meta, files):
+            if meta["step"] == int(os.environ["FAULT_STEP"]):
                 os.kill(os.getpid(), signal.SIGKILL)
-            threading.Event().wait(_end_delay)
-        return _evaluate(run, *args, **kwargs)
+            return commit(directory, meta, files)
 
-    train.loop.evaluate_and_save = late_evaluate_and_save
+        replace(train.checkpoint.dcp, "commit", killing_commit)
+
+
+    if os.environ.get("STEP_DELAY_MS") and os.environ.get("RANK") is not None:
+        import threading
+
+        import train.step
+
+        _step, _step_delay = train.step.train_step, int(os.environ["STEP_DELAY_MS"]) / 1000
+
+        def delayed_train_step(*args, **kwargs):
+            threading.Event().wait(_step_delay)
+            return _step(*args, **kwargs)
+
+        replace(train.step, "train_step", delayed_train_step)
+
+
+
+    _group = os.environ.get("REPLICA_GROUP_ID", "0")
+    _end_delay = int(os.environ.get("END_DELAY_MS", "0")) / 1000 if _group == os.environ.get("END_DELAY_GROUP", "0") else 0
+    _end_kill = os.environ.get("FAULT") == "kill_at_end" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0") \
+        and _group == os.environ.get("FAULT_GROUP", _group) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if (_end_delay or _end_kill) and os.environ.get("RANK") is not None:
+        import signal
+        import threading
+
+        import train.loop
+
+        _evaluate = train.loop.evaluate_and_save
+
+        def late_evaluate_and_save(run, *args, **kwargs):
+            if run.progress.step >= run.plan.stop_step:
+                if _end_kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                threading.Event().wait(_end_delay)
+            return _evaluate(run, *args, **kwargs)
+
+        replace(train.loop, "evaluate_and_save", late_evaluate_and_save)
+
+
+_acted = False
+
+
+def act_in_rank() -> None:
+    """A rank forked from the zygote (train/zygote.py) gets its environment before the fork: act then, once (not
+    again in the processes the rank forks itself, such as its loader workers)."""
+    if not _acted and os.environ.get("RANK") is not None:
+        act()
+
+
+if os.environ.get("RANK") is not None and not os.environ.get("TRAIN_ZYGOTE"):
+    act()  # a rank started as its own process
+else:  # the launcher, a zygote, or a relay (which only stands in for its rank: no fault acts in it)
+    os.register_at_fork(after_in_child=act_in_rank)

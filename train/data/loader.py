@@ -23,7 +23,7 @@ from train.data.device import to_device
 from train.data.seeds import preserved_generators, sample_seed, seed_generators
 from train.data.source import EvalShare, PositionFromStep, most_batches, strided_share
 from train.config import DataConfig
-from train.dist import die_with_rank
+from train.host import die_with_rank
 
 
 class SeededSamples(Dataset):

@@ -1,0 +1,99 @@
+"""Ranks forked from a zygote that imported torch and the trainer once (train/zygote.py): what the agent sees is
+unchanged (exit codes, signals and restarts are covered by test_faults.py); these check where the ranks come from
+and that none outlives its launcher."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from conftest import FAST, FAULTS_DIR, fault_env, final_checkpoint, logged_steps, run_cli, wait_for
+from launcher.__main__ import may_start_ranks
+
+RUN = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=2", "trainer.epochs=2"]
+STARTED = re.compile(r"\[start rank (\d) attempt (\d)\] pid (\d+) parent (\d+) grandparent (\d+) preloaded (\w+)")
+
+
+def starts(stderr: str) -> list[dict]:
+    """The ranks' own reports of how they started (TRACE_START in tests/faults/sitecustomize.py)."""
+    keys = ("rank", "attempt", "pid", "parent", "grandparent")
+    return [{**dict(zip(keys, map(int, found[:5]))), "preloaded": found[5] == "True"} for found in STARTED.findall(stderr)]
+
+
+def traced(**more: str) -> dict:
+    """The environment of a launch whose ranks report how they started."""
+    path = os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "TRACE_START": "1", **more}
+
+
+def launch_traced(tmp_path, *overrides: str, env: dict) -> tuple[int, int, str]:
+    """The launcher's pid, exit code and stderr."""
+    with subprocess.Popen([sys.executable, "-m", "launcher", *overrides], cwd=tmp_path, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        out, err = proc.communicate(timeout=300)
+    print(out, err)
+    return proc.pid, proc.returncode, err
+
+
+def test_the_ranks_and_their_restart_are_forked_from_one_zygote_of_the_launcher(tmp_path):
+    env = traced(**fault_env("kill", rank=1, step=5))
+    pid, code, err = launch_traced(tmp_path, *RUN, "launcher.max_restarts=1", f"hydra.run.dir={tmp_path / 'run'}", env=env)
+    assert code == 0 and "rank 1 failed, killed by SIGKILL" in err  # as before: the cause, then the restart
+    ranks = starts(err)
+    assert sorted((r["rank"], r["attempt"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len({r["parent"] for r in ranks}) == 1  # both attempts: nothing was imported again for the restart
+    assert {r["grandparent"] for r in ranks} == {pid} and {r["parent"] for r in ranks} != {pid}  # the launcher's zygote
+    assert all(r["preloaded"] for r in ranks)  # torch and dynamo were there before the rank's own start-up ran
+    assert final_checkpoint(tmp_path / "run")["step"] == 64
+
+
+def test_without_preloading_each_rank_is_the_agents_own_process(tmp_path):
+    pid, code, err = launch_traced(tmp_path, *RUN, "launcher.preload_ranks=false", f"hydra.run.dir={tmp_path / 'run'}",
+                                   env=traced())
+    assert code == 0
+    ranks = starts(err)
+    assert len(ranks) == 2 and not any(r["preloaded"] for r in ranks) and {r["parent"] for r in ranks} == {pid}
+
+
+def test_a_killed_launcher_leaves_no_zygote_and_no_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    env = traced()
+    with open(tmp_path / "stderr", "w") as stderr, subprocess.Popen(
+            [sys.executable, "-m", "launcher", *RUN, "trainer.epochs=100000", f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr, env=env) as proc:
+        try:
+            wait_for(lambda: len(logged_steps(run_dir)) > 0, 120, "the run to train")
+            ranks = starts((tmp_path / "stderr").read_text())
+            assert len(ranks) == 2 and ranks[0]["parent"] != proc.pid and ranks[0]["grandparent"] == proc.pid
+            forked = {r["pid"] for r in ranks} | {ranks[0]["parent"]}  # the ranks and the zygote
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") and not zombie(pid) for pid in forked), 30,
+                     "the zygote and the ranks to die with their launcher")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_rank_whose_relay_finds_no_zygote_trains_on_its_own(launch, tmp_path):
+    run_dir = tmp_path / "run"
+    assert launch(*RUN, "trainer.procs_per_node=1", "trainer.max_steps=4", "launcher.dry_run=true", f"hydra.run.dir={run_dir}").returncode == 0
+    proc = run_cli("train", str(run_dir / "config.yaml"), cwd=tmp_path, env={"TRAIN_ZYGOTE": "train-zygote-nobody-here"})
+    assert proc.returncode == 0 and final_checkpoint(run_dir)["step"] == 4
+
+
+def test_only_a_command_that_may_start_ranks_here_forks_a_zygote():
+    assert may_start_ranks([]) and may_start_ranks(["+experiment=resnet18", "trainer.gpus=4", "launcher=local"])
+    for words in (["--cfg", "job"], ["--help"], ["launcher=slurm"], ["+launcher=ray"], ["launcher.dry_run=true"],
+                  ["launcher.preload_ranks=False"], ["launcher.name=slurm"]):
+        assert not may_start_ranks(words), words
