@@ -97,3 +97,20 @@ def test_only_a_command_that_may_start_ranks_here_forks_a_zygote():
     for words in (["--cfg", "job"], ["--help"], ["launcher=slurm"], ["+launcher=ray"], ["launcher.dry_run=true"],
                   ["launcher.preload_ranks=False"], ["launcher.name=slurm"]):
         assert not may_start_ranks(words), words
+
+
+def test_what_a_rank_leaves_in_its_process_group_ends_with_it(tmp_path):
+    """A process the rank started and did not end (here a `sleep`; in CI once a loader worker stuck inside its own
+    fork, before it could arrange to die with its rank) would outlive the run and hold its output open."""
+    run_dir = tmp_path / "run"
+    env = traced(**fault_env("leave_child", rank=0, step=3))
+    with open(tmp_path / "stderr", "w") as stderr:
+        code = subprocess.run([sys.executable, "-m", "launcher", *RUN, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
+                              stdout=subprocess.DEVNULL, stderr=stderr, timeout=300).returncode
+    assert code == 0
+    child = int(re.search(r"\[fault\] left child (\d+)", (tmp_path / "stderr").read_text()).group(1))
+    try:
+        wait_for(lambda: zombie(child), 10, "the rank's leftover child to end with it")
+    finally:
+        if not zombie(child):
+            os.kill(child, signal.SIGKILL)

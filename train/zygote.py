@@ -260,6 +260,11 @@ def serve(listener: socket.socket) -> None:
                 selector.unregister(conn)
                 conn.close()
             else:  # the rank ended
+                # What it started in its process group goes with it (a loader worker that never got as far as its
+                # own parent-death signal, e.g. one stuck in the fork itself, held the job's output open for ever).
+                # Before the rank is reaped, so that its pid, which names the group, cannot have been reused.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
                 _, status = os.waitpid(pid, 0)
                 selector.unregister(pidfd)
                 os.close(pidfd)

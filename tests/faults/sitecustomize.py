@@ -7,6 +7,8 @@ restart runs clean):
   FAULT=config  fail while loading the config snapshot (a bad rank at start-up)
   FAULT=slow_data  wait FAULT_DELAY_MS (default 50) before each training batch of this rank: a data stall
   FAULT=slow_forward  wait FAULT_DELAY_MS (default 50) inside every training forward pass of this rank: a slow GPU
+  FAULT=leave_child  start a child process (`sleep 600`) at optimizer step FAULT_STEP and go on ("[fault] left
+                child PID"): a process left in the rank's process group
   FAULT=term    send itself SIGTERM at the start of optimizer step FAULT_STEP (a stop lands on a known step)
   FAULT=slow_compile  wait FAULT_DELAY_MS inside optimizer step FAULT_STEP (a rank that compiles slower than the others)
   FAULT=kill_in_save  SIGKILL itself while committing the step directory of step FAULT_STEP (see the end)
@@ -126,6 +128,7 @@ def act() -> None:
         and os.environ.get("REPLICA_GROUP_ID", "0") == os.environ.get("FAULT_GROUP", os.environ.get("REPLICA_GROUP_ID", "0"))
     ):
         import signal
+        import subprocess
         import threading
 
         import train.config
@@ -174,6 +177,10 @@ def act() -> None:
                         return train_step(*args, **kwargs)
                     if kind == "kill":
                         os.kill(os.getpid(), signal.SIGKILL)
+                    if kind == "leave_child":  # a process in the rank's group that would outlive it
+                        child = subprocess.Popen(["sleep", "600"])
+                        os.write(2, f"[fault] left child {child.pid}\n".encode())
+                        return train_step(*args, **kwargs)
                     if kind == "term":
                         os.kill(os.getpid(), signal.SIGTERM)
                         return train_step(*args, **kwargs)
