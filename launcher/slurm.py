@@ -85,16 +85,30 @@ def recorded_jobs(run_dir: Path) -> list[str]:
     return [json.loads(line)["job_id"] for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+# MASTER_PORT is seeded by the job id, so every task (and a requeued job) agrees on it without talking. submitit's
+# range (20000-60000) is mostly inside Linux's default ephemeral range (32768-60999), where every outgoing connection
+# on the node takes its local port: rank 0's store then failed with EADDRINUSE while the other ranks waited for it
+# (seen in CI, beside the Ray test cluster's many connections). Below that range only listening servers compete.
+MASTER_PORTS = (20000, 32767)
+
+
+def job_master_port(job_id: str) -> int:
+    import random
+
+    return random.Random(f"master port of {job_id}").randint(*MASTER_PORTS)
+
+
 def export_env_from_slurm() -> dict[str, str]:
-    """Set the env:// variables from SLURM's (MASTER_PORT seeded by the job id, as submitit does); never
+    """Set the env:// variables from SLURM's (MASTER_PORT seeded by the job id: `job_master_port`); never
     overwrite values that are already set (the batch script unsets inherited ones, so only a value set on
     purpose in the job survives). Returns what was exported."""
+    from submitit import JobEnvironment
     from submitit.helpers import TorchDistributedEnvironment
 
     dist_env = TorchDistributedEnvironment()
     values = {
         "MASTER_ADDR": dist_env.master_addr,
-        "MASTER_PORT": str(dist_env.master_port),
+        "MASTER_PORT": str(job_master_port(JobEnvironment().job_id)),
         "RANK": str(dist_env.rank),
         "WORLD_SIZE": str(dist_env.world_size),
         "LOCAL_RANK": str(dist_env.local_rank),

@@ -284,11 +284,20 @@ def test_slurm_variables_become_the_env_contract(slurm_task_env):
         "MASTER_ADDR": "gpu07", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
     }
     port = int(os.environ["MASTER_PORT"])
-    assert 20000 <= port <= 60000 and set(exported) == set(ENV_KEYS)
+    assert 20000 <= port < 32768 and set(exported) == set(ENV_KEYS)
     for key in ENV_KEYS:  # the same job id gives the same port on every node and after a requeue
         del os.environ[key]
     export_env_from_slurm()
     assert int(os.environ["MASTER_PORT"]) == port
+
+
+def test_the_master_port_of_a_job_is_never_one_outgoing_connections_take():
+    from launcher.slurm import job_master_port
+
+    ports = [job_master_port(str(job)) for job in range(1, 2001)]
+    low, _ = (int(n) for n in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    assert max(ports) < min(low, 32768) and min(ports) >= 20000  # below the ephemeral range (this machine's, Linux's default)
+    assert len(set(ports)) > 1500  # spread: two jobs on a node rarely share one
 
 
 def test_values_already_set_are_never_overwritten(slurm_task_env):
