@@ -159,3 +159,20 @@ def test_export_of_a_sharded_run_loads_strictly_and_evaluates_as_the_run_did(str
 
     missing = run_cli("launcher.export", str(straight), "--step", "4", "--out", str(out), cwd=tmp_path)
     assert missing.returncode == 2 and "no committed checkpoint of step 4" in missing.stderr
+
+
+def test_a_leftover_write_is_never_removed_where_other_ranks_create_the_directory(tmp_path, monkeypatch):
+    """The writer clears a leftover `.step_N.tmp` while the other ranks' DCP writers `mkdir(exist_ok=True)` it: a
+    directory removed in place is, for a moment, one that mkdir finds and is_dir then does not (FileExistsError on
+    a rank). It leaves in one rename first; the pieces of a crash in between are dropped by `recover`."""
+    tmp = dcp.writing(tmp_path / "step_00000008")
+    (tmp / "sub").mkdir(parents=True)
+    (tmp / "__0_0.distcp").write_bytes(b"leftover")
+    removed, rmtree = [], shutil.rmtree
+    monkeypatch.setattr(dcp.shutil, "rmtree", lambda path, *a, **k: (removed.append(path), rmtree(path, *a, **k)))
+    dcp.prepare(tmp)
+    assert tmp.is_dir() and not any(tmp.iterdir())  # empty, ready to write into
+    assert removed and tmp not in removed  # the leftover was removed elsewhere, under another name
+    (tmp_path / f"{tmp.name}.1.stale").mkdir()  # a crash between the rename and the removal
+    dcp.recover(tmp_path, logging.getLogger("test"))
+    assert not list(tmp_path.glob(".*.stale"))

@@ -156,9 +156,13 @@ def writing(final: Path) -> Path:
 def prepare(directory: Path) -> None:
     """An empty directory to write into (writer, before the save's first collective): a leftover of an
     unfinished write is never a checkpoint. The other ranks' DCP writers may create it meanwhile (they write
-    nothing into it before the collective that the writer joins after this)."""
+    nothing into it before the collective that the writer joins after this), so a leftover leaves in one rename
+    before it is removed: their `mkdir(exist_ok=True)` finds a directory or none, never one being removed (which
+    it reports as FileExistsError: a rank of a 4-process pipeline run failed so, 2026-11-26)."""
     if directory.exists():
-        shutil.rmtree(directory)
+        aside = directory.with_name(f"{directory.name}.{os.getpid()}.stale")
+        os.replace(directory, aside)
+        shutil.rmtree(aside)
     directory.mkdir(parents=True, exist_ok=True)
 
 
@@ -189,6 +193,8 @@ def recover(directory: Path, log) -> None:
             shutil.rmtree(tmp)
         else:
             publish(tmp, final)
+    for stale in directory.glob(".*.stale"):  # moved aside by `prepare`, which crashed before removing it
+        shutil.rmtree(stale, ignore_errors=True)
     for old in directory.glob(".*.old"):
         final = old.with_name(old.name[1 : -len(".old")])
         if old.is_dir() and final.exists():
