@@ -51,6 +51,7 @@ def keep_freed_memory() -> bool:
 # new launch may take the directory over; workers left running would be a second writer.
 PARENT_ENV = "TRAIN_DIE_WITH_PARENT"
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 
 
 def die_with_parent() -> None:
@@ -75,3 +76,9 @@ def die_with(parent: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # it died before the prctl took effect
         os._exit(1)
+
+
+def name_process(name: bytes) -> None:
+    """The name `ps -e`, top and /proc/PID/comm show (Linux; the command line stays what the process started as)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)

@@ -18,7 +18,7 @@ signals) and with its relay (the zygote kills the rank when the relay's connecti
 SIGKILLs it). A rank whose relay finds no zygote (none started, or it died) starts on its own, as before; so do
 ranks under plain torchrun and with `launcher.preload_ranks=false`.
 
-Forking is safe because a zygote is one thread that has never touched a GPU: it only imports, and checks both
+Forking is safe because a zygote runs one Python thread and has never touched a GPU: it only imports, and checks both
 before every fork (a rank must not inherit a CUDA context, or a lock that another thread held).
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import ctypes
 import io
 import json
 import os
@@ -42,7 +41,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.host import PARENT_ENV, die_with, die_with_parent
+from train.host import PARENT_ENV, die_with, die_with_parent, name_process
 
 ZYGOTE_ENV = "TRAIN_ZYGOTE"  # the zygote's address (abstract unix socket, without its leading NUL), for the relays
 HEADER = struct.Struct("!I")  # length of the request (JSON) that follows the header and the passed streams
@@ -51,7 +50,6 @@ STREAMS = (0, 1, 2)
 IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 RELAYED = IGNORED  # what a relay passes on (SLURM's warning before the time limit is SIGUSR1 or SIGUSR2)
 REQUEST_TIMEOUT_S = 30  # a relay sends its whole request right after connecting
-PR_SET_NAME = 15
 
 
 def available() -> bool:
@@ -381,12 +379,6 @@ def unbuffered_streams() -> None:
                                   write_through=True)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
-
-
-def name_process(name: bytes) -> None:
-    """The name `ps -e`, top and /proc/PID/comm show (the command line stays the zygote's)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
 
 def main() -> None:
