@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from file_seconds import longest_first, measured
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf"
@@ -69,6 +70,13 @@ def may_raise_priority() -> bool:
             return True
     except PermissionError:
         return False
+
+
+def pytest_collection_modifyitems(items):
+    """pytest-xdist hands out the files in this order (`--no-loadscope-reorder`): the longest first, so that the
+    two workers end together (tests/file_seconds.py)."""
+    order = {nodeid: i for i, nodeid in enumerate(longest_first([item.nodeid for item in items], measured()))}
+    items.sort(key=lambda item: order[item.nodeid])
 
 
 @pytest.fixture(autouse=True)

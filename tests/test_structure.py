@@ -178,3 +178,15 @@ def test_an_alone_test_and_what_it_starts_run_prioritized_where_the_process_may_
     child = subprocess.run([sys.executable, "-c", "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"],
                            capture_output=True, text=True, check=True)
     assert int(child.stdout) == expected
+
+
+def test_the_longest_test_files_are_handed_out_first_an_unknown_one_before_them():
+    """pytest-xdist hands out whole files in collection order (tests/file_seconds.py): a long file handed out last
+    would leave one worker running it alone at the end of the run."""
+    from file_seconds import longest_first, measured
+
+    ids = ["tests/a.py::x", "tests/b.py::y", "tests/a.py::z", "tests/new.py::w", "tests/c.py::v"]
+    seconds = {"tests/a.py": 5.0, "tests/b.py": 50.0, "tests/c.py": 5.0}
+    assert longest_first(ids, seconds) == ["tests/new.py::w", "tests/b.py::y", "tests/a.py::x", "tests/a.py::z", "tests/c.py::v"]
+    missing = [file for file in measured() if not (REPO / file).exists()]
+    assert not missing, f"tests/file_seconds.json names files that are gone: {missing}; refresh it (tests/file_seconds.py)"

@@ -1,0 +1,50 @@
+"""The order in which pytest-xdist hands out the test files: the longest first.
+
+Under `-n 2 --dist loadfile` a worker takes a whole file at a time, and the run ends when the last file ends.
+pytest-xdist's own order (most tests first) hands out late the few-test files that run whole jobs (Ray, SLURM, the
+benchmarks), and one worker then runs the last of them while the other has nothing left: ~45 s of a ~15 min run
+(simulated from measured durations, 2026-11-26). Handed out longest first, the last files are short and the two
+workers end together. A file not in the table (a new one) goes first: an unknown file must not become the tail.
+
+The table is each file's measured seconds (the sum of its tests' durations on a 2-core CI machine, two files at a
+time). Refresh it after tests move between files:
+
+    python -m pytest --junitxml=/tmp/junit.xml && python tests/file_seconds.py /tmp/junit.xml
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from xml.etree import ElementTree
+
+TABLE = Path(__file__).with_suffix(".json")
+
+
+def measured() -> dict[str, float]:
+    return json.loads(TABLE.read_text())
+
+
+def longest_first(nodeids: list[str], seconds: dict[str, float]) -> list[str]:
+    """The test ids with their files in decreasing measured time (unknown files first); a file's tests, and files
+    of equal time, keep their order."""
+    files = list(dict.fromkeys(nodeid.split("::", 1)[0] for nodeid in nodeids))
+    rank = {file: position for position, file in enumerate(sorted(files, key=lambda f: -seconds.get(f, float("inf"))))}
+    return sorted(nodeids, key=lambda nodeid: rank[nodeid.split("::", 1)[0]])
+
+
+def from_junit(path: Path) -> dict[str, float]:
+    """Each test file's seconds, from a junit report of the whole suite (classnames `tests.test_x`)."""
+    seconds: Counter[str] = Counter()
+    for case in ElementTree.parse(path).iter("testcase"):
+        module = case.get("classname", "").split(".")
+        if len(module) >= 2 and module[0] == "tests":
+            seconds[f"tests/{module[1]}.py"] += float(case.get("time", 0))
+    return {file: round(total, 1) for file, total in seconds.most_common()}
+
+
+if __name__ == "__main__":
+    TABLE.write_text(json.dumps(from_junit(Path(sys.argv[1])), indent=1) + "\n")
+    print(f"wrote {TABLE}")
