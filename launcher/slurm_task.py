@@ -1,4 +1,4 @@
-"""What each task of a SLURM job runs: submitit's job processing (load the pickled launcher.slurm.SlurmTask, run it,
+"""What each task of a SLURM job runs: submitit's job processing (load the pickled launcher.slurm_job.SlurmTask, run it,
 write its result for the submitter), then an end without the interpreter's finalization, as a local worker ends
 (train.dist.exit_without_finalizing says why: a gloo thread can abort a finished rank there, "terminate called
 without an active exception", and SLURM then records a job that trained to its end as FAILED).

@@ -271,7 +271,7 @@ def test_a_holder_presumed_dead_never_renews_over_the_new_holder_and_stops(tmp_p
 def test_whether_a_sigterm_means_preemption_is_asked_of_slurm_once_per_job(tmp_path, monkeypatch):
     """Every task ran `scontrol show job` (no timeout): 512 RPCs at once at the end of a preempted job. Rank 0 asks
     and leaves the answer; the other tasks read it."""
-    import launcher.slurm as slurm
+    import launcher.slurm_job as slurm
 
     asked = []
     monkeypatch.setattr(slurm, "being_preempted", lambda job_id: asked.append(job_id) or True)

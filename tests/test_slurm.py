@@ -18,7 +18,8 @@ import torch
 from conftest import FAST, FAULTS_DIR, cluster_started, final_checkpoint, logged_steps, read_metrics, shared_lock
 from conftest import wait_for as _wait_for
 from launcher.slurm import job_state
-from launcher.slurm import clear_unfinished_result, export_env_from_slurm, recorded_jobs, slurm_folder
+from launcher.slurm import recorded_jobs
+from launcher.slurm_job import clear_unfinished_result, export_env_from_slurm, slurm_folder
 
 DEFAULT_CONF = "/tmp/slurm-test-cluster/etc/slurm.conf"
 
@@ -292,7 +293,7 @@ def test_slurm_variables_become_the_env_contract(slurm_task_env):
 
 
 def test_the_master_port_of_a_job_is_never_one_outgoing_connections_take():
-    from launcher.slurm import job_master_port
+    from launcher.slurm_job import job_master_port
 
     ports = [job_master_port(str(job)) for job in range(1, 2001)]
     low, _ = (int(n) for n in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
