@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, final_checkpoint, read_metrics, run_cli
+from conftest import REPO, final_checkpoint, logged_steps, read_metrics, run_cli, wait_for
+from test_faults import kill_leftovers
 
 EXAMPLE = REPO / "examples" / "diabetes"
 # Deterministic runs for the identities: no augmentation noise, no loader workers (they are tested below).
@@ -211,6 +213,28 @@ def test_an_image_folder_trains_with_loader_workers(tmp_path):
     assert "ImageFolder" in proc.stdout and "2 loader worker(s) per process" in proc.stdout
     [*_, last] = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"]
     assert last["acc"] > 0.6  # 3 classes: chance is 1/3
+
+
+def test_a_stop_signal_with_loader_workers_saves_at_a_step_boundary(project, tmp_path):
+    """The launcher's agent stops a rank by signalling its whole process group, its loader workers included, and
+    torch's workers exit on a SIGTERM that is not their rank's: a rank stopping to save lost its workers, then itself
+    at its next batch ("DataLoader worker exited unexpectedly"), and every step since its last checkpoint."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "launcher", *STREAM, "trainer.epochs=1000", "trainer.max_steps=20000",
+               "trainer.stop_check_s=0.05", f"hydra.run.dir={run_dir}"]
+    with subprocess.Popen(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            wait_for(lambda: any(s >= 20 for s in logged_steps(run_dir)), timeout=120, what="the first logged steps")
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            kill_leftovers(proc, run_dir)
+    print(out, err)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "[rank 0] SIGTERM: saving a checkpoint at the next step boundary" in err and "DataLoader worker" not in err
+    saved = final_checkpoint(run_dir)
+    assert saved["step"] >= 20 and f"stopped at step {saved['step']} with a checkpoint" in out
+    assert all(p["loader"] is not None for p in saved["data"])  # each rank's stream position, from its workers
 
 
 STUCK_STREAM = '''import os

@@ -47,6 +47,10 @@ def keep_freed_memory() -> bool:
         return False
 
 
+# What asks a rank to stop or warns it: a launcher's agent, SLURM (its warning before the time limit: USR1/USR2),
+# a closed terminal.
+RANK_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
 # Set by the local launcher to its pid: the workers die with it. Its run directory's lease ends with it, and a
 # new launch may take the directory over; workers left running would be a second writer.
 PARENT_ENV = "TRAIN_DIE_WITH_PARENT"
@@ -62,11 +66,22 @@ def die_with_parent() -> None:
 
 
 def die_with_rank(worker_id: int, rank_pid: int) -> None:
-    """A loader worker's init (functools.partial(die_with_rank, rank_pid=os.getpid()) in the rank): the worker is
-    killed when its rank ends. A worker blocked inside the data set's own code (a read that never returns) never
+    """A loader worker's init (functools.partial(die_with_rank, rank_pid=os.getpid()) in the rank): the worker
+    ends with its rank, and only then.
+
+    Killed when its rank ends: a worker blocked inside the data set's own code (a read that never returns) never
     reaches the DataLoader's check that its parent lives: it outlived a rank killed as hung, and held the job's
-    output pipes open, so the job never ended for whoever waited on them."""
+    output pipes open, so the job never ended for whoever waited on them.
+
+    Deaf to the signals that ask its rank to stop (RANK_SIGNALS): they reach the workers too (torch's agent signals
+    the rank's whole process group, SLURM every process of the step, a terminal its foreground group), and torch's
+    worker exits on a SIGTERM that is not its parent's. A rank asked to save and stop lost its workers, then itself
+    at its next batch ("DataLoader worker exited unexpectedly"), with every step since its last checkpoint. The
+    price: a worker stuck in the data set's code when its loader shuts down outlives the DataLoader's last-resort
+    SIGTERM, until its rank ends."""
     die_with(rank_pid)
+    for sig in RANK_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def die_with(parent: int) -> None:

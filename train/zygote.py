@@ -41,13 +41,13 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.host import PARENT_ENV, die_with, die_with_parent, name_process
+from train.host import PARENT_ENV, RANK_SIGNALS, die_with, die_with_parent, name_process
 
 ZYGOTE_ENV = "TRAIN_ZYGOTE"  # the zygote's address (abstract unix socket, without its leading NUL), for the relays
 HEADER = struct.Struct("!I")  # length of the request (JSON) that follows the header and the passed streams
 STREAMS = (0, 1, 2)
 # A zygote is ended by its launcher, not by a terminal's Ctrl-C or the agent's signals: its ranks die with it.
-IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+IGNORED = RANK_SIGNALS
 RELAYED = IGNORED  # what a relay passes on (SLURM's warning before the time limit is SIGUSR1 or SIGUSR2)
 REQUEST_TIMEOUT_S = 30  # a relay sends its whole request right after connecting
 
