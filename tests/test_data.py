@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import os
 import pickle
+import signal
 import struct
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from train.data.in_memory import TrainBatches, augment
+from train.data.loader import batches_of
+from train.host import die_with_rank
 from train.config import DataConfig
 import train.models.vision as models
 from train.data.sets import DatasetMissing, TensorData, check_available, cifar10, digits, fashion_mnist, mnist, read_idx
@@ -268,3 +273,19 @@ def test_a_cifar_batch_that_would_run_code_is_refused_unrun(tmp_path):
     with pytest.raises(ValueError, match=r"data_batch_1 was refused as a CIFAR-10 batch: it names posix.system"):
         cifar10("train", root=str(tmp_path))
     assert not marker.exists()
+
+
+def _signalled_while_starting(worker_id: int, rank_pid: int) -> None:
+    """A stop signal to the rank's process group that reaches a loader worker while it starts: torch's worker
+    handler (SIGTERM from anyone but its parent: exit) is in place, the worker's own init has not run yet."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    die_with_rank(worker_id, rank_pid)
+
+
+def test_a_stop_signal_while_loader_workers_start_ends_neither_them_nor_the_rank():
+    """Seen on a SIGTERM at an epoch's start (a stream's workers start afresh each epoch): a worker was killed
+    before its init made it deaf to the signal, and its rank died at its first batch, unsaved."""
+    loader = DataLoader(range(8), batch_size=2, num_workers=2,
+                        worker_init_fn=functools.partial(_signalled_while_starting, rank_pid=os.getpid()))
+    assert [batch.tolist() for batch in batches_of(loader)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert signal.SIGTERM not in signal.sigpending()  # nothing was held back in this process either

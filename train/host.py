@@ -4,6 +4,7 @@ or SLURM alike, by train.run.main), for the interpreter and the C library rather
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -78,10 +79,25 @@ def die_with_rank(worker_id: int, rank_pid: int) -> None:
     worker exits on a SIGTERM that is not its parent's. A rank asked to save and stop lost its workers, then itself
     at its next batch ("DataLoader worker exited unexpectedly"), with every step since its last checkpoint. The
     price: a worker stuck in the data set's code when its loader shuts down outlives the DataLoader's last-resort
-    SIGTERM, until its rank ends."""
+    SIGTERM, until its rank ends. A worker starts with them held (`stop_signals_held`, around its fork), so that
+    one arriving before this init runs is dropped here instead of ending it."""
     die_with(rank_pid)
     for sig in RANK_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, signal.SIG_IGN)  # and a held one is dropped
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RANK_SIGNALS)
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """RANK_SIGNALS held back in this thread meanwhile, then delivered: the rank's loader workers are forked inside
+    (iter(loader)) and start with them held until die_with_rank has made them deaf to them; torch's worker handler
+    (SIGTERM: exit) is in place before that init runs. The rank's own handlers still run: its other threads take
+    a signal meanwhile, or this one after."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, RANK_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def die_with(parent: int) -> None:

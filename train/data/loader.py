@@ -23,7 +23,7 @@ from train.data.device import to_device
 from train.data.seeds import preserved_generators, sample_seed, seed_generators
 from train.data.source import EvalShare, PositionFromStep, most_batches, strided_share
 from train.config import DataConfig
-from train.host import die_with_rank
+from train.host import die_with_rank, stop_signals_held
 
 
 class SeededSamples(Dataset):
@@ -82,6 +82,12 @@ def loader_options(cfg: DataConfig, device: torch.device) -> dict:
     return options
 
 
+def batches_of(loader: DataLoader) -> Iterator:
+    """iter(loader): its worker processes start here, deaf to the rank's stop signals (train.host.die_with_rank)."""
+    with stop_signals_held():
+        return iter(loader)
+
+
 class LoaderBatches(PositionFromStep):
     """One rank's training batches from a map-style data set, for any epoch, from any batch within it."""
 
@@ -95,7 +101,7 @@ class LoaderBatches(PositionFromStep):
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator:
         self.sampler.epoch, self.sampler.start = epoch, start
-        for batch in self.loader:
+        for batch in batches_of(self.loader):
             yield to_device(batch, self.device, self.memory_format)
 
 
@@ -104,5 +110,5 @@ def eval_share(dataset: Dataset, cfg: DataConfig, rank: int, replicas: int, devi
     indices, counted = strided_share(len(dataset), rank, replicas)
     loader = DataLoader(Subset(dataset, indices), batch_size=cfg.eval_batch_size, shuffle=False,
                         **loader_options(cfg, device))
-    return EvalShare((to_device(batch, device) for batch in loader), counted,
+    return EvalShare((to_device(batch, device) for batch in batches_of(loader)), counted,
                      most_batches(len(dataset), replicas, cfg.eval_batch_size))

@@ -28,7 +28,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from train.config import DataConfig
 from train.data.device import to_device
-from train.data.loader import loader_options
+from train.data.loader import batches_of, loader_options
 from train.data.seeds import sample_seed, seeded
 from train.data.source import EvalShare
 
@@ -121,7 +121,7 @@ class StreamBatches:
                 skip = start
         self.position = (epoch, start)
         taken = start - skip
-        for batch in self.loader:
+        for batch in batches_of(self.loader):
             taken += 1
             if taken <= start:
                 continue
@@ -147,4 +147,4 @@ def eval_share(dataset: IterableDataset, cfg: DataConfig, rank: int, replicas: i
         dataset.set_epoch(0)
     options = {**loader_options(cfg, device), "persistent_workers": False}
     loader = StatefulDataLoader(dataset, batch_size=cfg.eval_batch_size, **options)
-    return EvalShare(to_device(batch, device) for batch in loader)
+    return EvalShare(to_device(batch, device) for batch in batches_of(loader))
