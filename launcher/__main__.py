@@ -16,14 +16,15 @@ from launcher.rundir import register_resolvers  # noqa: E402
 from launcher.schema import register_configs  # noqa: E402
 from train import zygote  # noqa: E402
 
-# Hydra's flags after which nothing runs, and the values of the overrides under which ranks start on this machine.
+# Hydra's flags after which nothing runs, and the values of the overrides under which ranks (or a dry run's
+# forecasts of them) start on this machine.
 NO_RANKS_HERE = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc"}
-RANKS_HERE_WITH = {"launcher": "local", "launcher.name": "local", "launcher.dry_run": "false", "launcher.preload_ranks": "true"}
+RANKS_HERE_WITH = {"launcher": "local", "launcher.name": "local", "launcher.preload_ranks": "true"}
 
 
 def may_start_ranks(args: list[str]) -> bool:
-    """Whether this command may start ranks here, judged from its words alone (before Hydra composes): a wrong yes
-    costs a zygote that is never used (~0.6 s of CPU), a wrong no only the head start."""
+    """Whether this command may start ranks here (or forecast them: a dry run), judged from its words alone (before
+    Hydra composes): a wrong yes costs a zygote that is never used (~0.6 s of CPU), a wrong no only the head start."""
     if any(arg.split("=", 1)[0] in NO_RANKS_HERE for arg in args):
         return False
     overrides = dict(arg.lstrip("+~").split("=", 1) for arg in args if "=" in arg and not arg.startswith("-"))

@@ -94,9 +94,32 @@ def test_a_rank_whose_relay_finds_no_zygote_trains_on_its_own(launch, tmp_path):
 
 def test_only_a_command_that_may_start_ranks_here_forks_a_zygote():
     assert may_start_ranks([]) and may_start_ranks(["+experiment=resnet18", "trainer.gpus=4", "launcher=local"])
-    for words in (["--cfg", "job"], ["--help"], ["launcher=slurm"], ["+launcher=ray"], ["launcher.dry_run=true"],
+    assert may_start_ranks(["launcher.dry_run=true"])  # its forecasts of the ranks are forked
+    for words in (["--cfg", "job"], ["--help"], ["launcher=slurm"], ["+launcher=ray"],
                   ["launcher.preload_ranks=False"], ["launcher.name=slurm"]):
         assert not may_start_ranks(words), words
+
+
+FORKS_TRACED = """import os
+os.register_at_fork(after_in_child=lambda: os.write(2, f"[forked {os.getpid()} parent {os.getppid()}]\\n".encode()))
+"""
+
+
+def test_a_dry_runs_forecasts_are_forked_from_the_launchers_zygote(tmp_path):
+    """Each rank's forecast (train/forecast.py) was a process of its own that imported torch: ~2 s of CPU per rank
+    of every dry run."""
+    (tmp_path / "traced").mkdir()
+    (tmp_path / "traced" / "sitecustomize.py").write_text(FORKS_TRACED)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "traced")}
+    with subprocess.Popen([sys.executable, "-m", "launcher", *RUN, "launcher.dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        out, err = proc.communicate(timeout=300)
+    print(out, err)
+    assert proc.returncode == 0 and "forecast  rank 0 of 2" in out and "forecast  rank 1 of 2" in out
+    forks = [tuple(map(int, found)) for found in re.findall(r"\[forked (\d+) parent (\d+)\]", err)]
+    zygotes = [child for child, parent in forks if parent == proc.pid]
+    assert len(zygotes) == 1  # the launcher's zygote
+    assert len([child for child, parent in forks if parent == zygotes[0]]) == 2  # rank 0's forecast and rank 1's
 
 
 def test_what_a_rank_leaves_in_its_process_group_ends_with_it(tmp_path):

@@ -49,6 +49,8 @@ STREAMS = (0, 1, 2)
 # A zygote is ended by its launcher, not by a terminal's Ctrl-C or the agent's signals: its ranks die with it.
 IGNORED = RANK_SIGNALS
 RELAYED = IGNORED  # what a relay passes on (SLURM's warning before the time limit is SIGUSR1 or SIGUSR2)
+# What a zygote forks: a rank, or a rank's memory forecast (a dry run's, launcher/forecast.py).
+RUNNABLE = ("train", "train.forecast")
 REQUEST_TIMEOUT_S = 30  # a relay sends its whole request right after connecting
 
 
@@ -156,9 +158,9 @@ def preloaded(snapshot: Path):
 # -- the relay: what the agent started, in the rank's place ------------------------------------------------------
 
 
-def relay(address: str) -> None:
-    """Have the zygote fork this rank, then stand in for it until it ends; does not return then. Returns at once
-    when no zygote answers: this process is the rank after all."""
+def relay(address: str, module: str = "train") -> None:
+    """Have the zygote fork this rank (`python -m MODULE`, one of RUNNABLE), then stand in for it until it ends;
+    does not return then. Returns at once when no zygote answers: this process is the rank after all."""
     die_with_parent()
     rank, pending = 0, []
 
@@ -172,7 +174,7 @@ def relay(address: str) -> None:
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect("\0" + address)
-        request = json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+        request = json.dumps({"module": module, "argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()
         conn.sendmsg([HEADER.pack(len(request))], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", STREAMS))])
         conn.sendall(request)
         replies = conn.makefile("rb")
@@ -355,7 +357,9 @@ def become_rank(request: dict, fds: list[int], zygotes: list) -> None:
         os.chdir(request["cwd"])
         name_process(f"train rank {os.environ.get('RANK', '')}".encode())
         sys.argv = ["-m", *request["argv"]]
-        runpy.run_module("train", run_name="__main__", alter_sys=True)
+        if request.get("module", "train") not in RUNNABLE:
+            raise ValueError(f"the zygote runs {', '.join(RUNNABLE)}, not {request['module']!r}")
+        runpy.run_module(request.get("module", "train"), run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
