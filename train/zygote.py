@@ -357,9 +357,9 @@ def become_rank(request: dict, fds: list[int], zygotes: list) -> None:
         os.chdir(request["cwd"])
         name_process(f"train rank {os.environ.get('RANK', '')}".encode())
         sys.argv = ["-m", *request["argv"]]
-        if request.get("module", "train") not in RUNNABLE:
+        if request["module"] not in RUNNABLE:
             raise ValueError(f"the zygote runs {', '.join(RUNNABLE)}, not {request['module']!r}")
-        runpy.run_module(request.get("module", "train"), run_name="__main__", alter_sys=True)
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
