@@ -67,6 +67,17 @@ def root_causes(failures: dict[int, ProcessFailure]) -> list[tuple[int, ProcessF
     return causes or ranked
 
 
+# What a rank's collective raises when another rank's process ended: the other rank's error is the one to read.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
+
+
+def first_failed(item: tuple[int, ProcessFailure]) -> tuple:
+    """Sort key of (rank, failure): a rank that only lost a peer after one that failed by itself, then by time (error
+    files count whole seconds: ranks failing in the same second are told apart by the first rule), then by rank."""
+    rank, failure = item
+    return any(marker in _headline(failure) for marker in PEER_LOST), failure.timestamp, rank
+
+
 def _headline(failure: ProcessFailure) -> str:
     message = failure.message
     if isinstance(message, dict):
@@ -79,7 +90,7 @@ def _headline(failure: ProcessFailure) -> str:
 def failure_headline(failures: dict[int, ProcessFailure]) -> str:
     """The first failing rank's error on one line ("rank 1 failed, exit code 65: NonFiniteLoss: ..."): what
     status.json keeps, so that `jobs status` says why a run failed."""
-    causes = sorted(root_causes(failures), key=lambda item: (item[1].timestamp, item[0]))
+    causes = sorted(root_causes(failures), key=first_failed)
     rank, failure = next(((r, f) for r, f in causes if f.message), causes[0])
     how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
     return f"rank {rank} failed, {how}" + (f": {_headline(failure)}" if _headline(failure) else "")
@@ -91,7 +102,7 @@ def failure_report(failures: dict[int, ProcessFailure]) -> str:
     failing alike are one traceback to read, not N."""
     causes = root_causes(failures)
     lines, shown = [], None
-    for rank, failure in sorted(causes, key=lambda item: (item[1].timestamp, item[0])):
+    for rank, failure in sorted(causes, key=first_failed):
         if shown is None and failure.message:
             lines.append(f"rank {rank} failed, {describe(failure)}")
             shown = _headline(failure)
@@ -144,6 +155,19 @@ class Agent(LocalElasticAgent):
             print(f"{signal.Signals(death_sig).name}: the workers save a checkpoint at the next step boundary and stop "
                   f"(up to launcher.shutdown_timeout_s={timeout}); send it again to stop them at once", file=sys.stderr, flush=True)
         super()._shutdown(forwarded, timeout)
+        self.failed_while_stopping = self._failures_while_stopping()
+
+    def _failures_while_stopping(self) -> dict[int, ProcessFailure]:
+        """By global rank, the workers that ended with an error of their own while the signal stopped the others (a
+        stop's save that failed, a rank that failed just before the signal): a clean stop ends a worker with exit 0,
+        and the signal or the kill that follows its timeout are the stop's, not a failure."""
+        result = self._pcontext.wait(0) if self._pcontext else None
+        if result is None:
+            return {}
+        workers = self._worker_group.workers
+        stops = (-signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL)
+        return {workers[local].global_rank if local < len(workers) else local: failure
+                for local, failure in result.failures.items() if failure.exitcode not in stops}
 
     def _kill_workers(self, signum: int, frame) -> None:
         print(f"{signal.Signals(signum).name} again: stopping the workers now, without a final checkpoint", file=sys.stderr, flush=True)
@@ -305,8 +329,9 @@ def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str]) -> None:
         result = agent.run()
         if result.is_failed():
             raise ChildFailedError(name="python -m train", failures=result.failures)
-    except SignalException:
+    except SignalException as error:
         close_rendezvous = False  # as torchrun: a signalled agent leaves the rendezvous open for a rerun
+        error.failures = getattr(agent, "failed_while_stopping", {})  # read by the launcher's report
         raise
     finally:
         if close_rendezvous:

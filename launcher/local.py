@@ -120,8 +120,15 @@ def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig
         write_status(run_dir, "failed", error=failure_headline(error.failures))
         return 1
     except SignalException as error:
-        print(f"stopped by {error.sigval.name}; the workers were stopped. Run the same command again to resume "
-              f"from the last checkpoint in {run_dir}.", file=sys.stderr)
+        failures = getattr(error, "failures", {})
+        if failures:  # the stop may not have saved: say why, as for any failure, not that all is well
+            print(f"error: stopped by {error.sigval.name}, and meanwhile training failed.\n{failure_report(failures)}\n"
+                  f"Fix it, then run the same command again: it resumes from the newest checkpoint in {run_dir} "
+                  f"that was completely written.", file=sys.stderr)
+            write_status(run_dir, "failed", error=failure_headline(failures))
+        else:
+            print(f"stopped by {error.sigval.name}; the workers were stopped. Run the same command again to resume "
+                  f"from the last checkpoint in {run_dir}.", file=sys.stderr)
         sys.exit(128 + error.sigval.value)  # a signal stops a whole sweep too
     return 0
 

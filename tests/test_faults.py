@@ -18,6 +18,7 @@ import torch
 import tracker_records
 from conftest import FAST, final_checkpoint, fault_env, logged_steps, read_metrics, run_cli, wait_for
 from test_ddp_identity import IDENTITY, RESUME
+from train.observe.status import read_status
 
 # Every piece of resumable state is in play (AdamW, dropout, augmentation, accumulation, clipping).
 # A stop is agreed within stop_check_s of the signal: these runs last a second.
@@ -121,6 +122,28 @@ def test_a_signal_to_the_launcher_saves_at_a_step_boundary_and_the_rerun_finishe
     rerun = launch(*FAULTY, f"hydra.run.dir={run_dir}")
     assert rerun.returncode == 0 and f"resumed at step {saved['step']}" in rerun.stdout
     assert_same_weights(final_checkpoint(run_dir), uninterrupted)
+
+
+def test_a_rank_failing_while_a_signal_stops_the_run_is_reported_not_called_a_clean_stop(tmp_path):
+    """A SIGTERM to the launcher, and rank 1's stop fails (its save: no space left): the launcher said "the workers
+    were stopped ... resume from the last checkpoint" as if all went well, and the status said nothing."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "launcher", *FAULTY, f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, **fault_env("fail_on_stop", rank=1)}
+    with subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            wait_for(lambda: any(s >= 3 for s in logged_steps(run_dir)), timeout=120, what="the first logged steps")
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            kill_leftovers(proc, run_dir)
+    print(out, err)
+    assert proc.returncode == 128 + signal.SIGTERM  # a signal still stops a whole sweep
+    assert "error: stopped by SIGTERM, and meanwhile training failed" in err
+    assert "rank 1 failed, exit code 1" in err and "no space left on device for the stop's checkpoint (rank 1)" in err
+    assert "the workers were stopped" not in err
+    status = read_status(run_dir)
+    assert status["status"] == "failed" and "rank 1 failed, exit code 1" in status["error"]
 
 
 @pytest.mark.alone

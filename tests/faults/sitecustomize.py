@@ -10,6 +10,8 @@ restart runs clean):
   FAULT=leave_child  start a child process (`sleep 600`) at optimizer step FAULT_STEP and go on ("[fault] left
                 child PID"): a process left in the rank's process group
   FAULT=term    send itself SIGTERM at the start of optimizer step FAULT_STEP (a stop lands on a known step)
+  FAULT=fail_on_stop  raise OSError where the ranks agree to stop on a signal, before the stop's save (a save that
+                fails: "[fault] no space left on device ...")
   FAULT=slow_compile  wait FAULT_DELAY_MS inside optimizer step FAULT_STEP (a rank that compiles slower than the others)
   FAULT=kill_in_save  SIGKILL itself while committing the step directory of step FAULT_STEP (see the end)
   FAULT=slow_commit  wait FAULT_DELAY_MS (default 50) before committing each step directory (every attempt)
@@ -166,6 +168,17 @@ def act() -> None:
                 model.register_forward_pre_hook(stall)
 
             train.step.ForwardClock.__init__ = slow_init
+        elif kind == "fail_on_stop":
+            import train.stopping
+
+            agreed = train.stopping.StopRequest.agreed
+
+            def failing_agreed(self, step):
+                if agreed(self, step):
+                    raise OSError(f"[fault] no space left on device for the stop's checkpoint (rank {os.environ['RANK']})")
+                return False
+
+            train.stopping.StopRequest.agreed = failing_agreed
         else:
             train_step, calls = train.step.train_step, [0]
 
