@@ -72,6 +72,13 @@ def may_raise_priority() -> bool:
         return False
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """Two workers for the files that compute, one for those that wait on the test clusters (tests/lanes.py)."""
+    from lanes import Lanes
+
+    return Lanes(config, log)
+
+
 def pytest_collection_modifyitems(items):
     """pytest-xdist hands out the files in this order (`--no-loadscope-reorder`): the longest first, so that the
     two workers end together (tests/file_seconds.py)."""

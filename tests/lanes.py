@@ -1,0 +1,41 @@
+"""Which pytest-xdist worker runs which test file: two lanes for the files that compute, one for those that wait.
+
+The suite is CPU-bound on 2 cores, but the Ray and SLURM files mostly wait: for a cluster's job to be scheduled, for
+a node to be declared lost, for a requeue (~250 s of a ~15 min run, 70 s of it CPU in the test processes). Under
+`-n 2` such a file holds one of the two workers while it waits, and a core idles (the cores were ~81% busy). With
+`-n 3` and these lanes, the last worker runs only the waiting files, beside two workers that run the rest: the waits
+overlap with computing instead of taking a worker's turn. Three workers taking any file were no faster than two
+(three computing files at once slow each other and the timed tests: 2026-11-26).
+
+A computing lane takes a waiting file when no other file is left (the waiting lane is busy with another); the
+waiting lane takes nothing else. With fewer than 3 workers every worker takes any file, longest first.
+"""
+
+from __future__ import annotations
+
+from xdist.scheduler import LoadFileScheduling
+
+WAITING = ("tests/test_ray.py", "tests/test_slurm.py")  # their tests wait on the test clusters' jobs
+
+
+def waiting_lane(nodes: list) -> object | None:
+    """The worker that runs the waiting files: the last one (gw2 of -n 3), where there are at least 3."""
+    if len(nodes) < 3:
+        return None
+    return max(nodes, key=lambda node: int(node.gateway.id.removeprefix("gw")))
+
+
+class Lanes(LoadFileScheduling):
+    def _assign_work_unit(self, node) -> None:
+        scopes = list(self.workqueue)  # longest first (tests/file_seconds.py)
+        waits = [scope for scope in scopes if scope in WAITING]
+        if node is waiting_lane(self.nodes):
+            chosen = waits[0] if waits else None
+        else:
+            chosen = next((scope for scope in scopes if scope not in WAITING), waits[0] if waits else None)
+        if chosen is None:
+            return  # the waiting lane, with nothing left to wait on: it idles until the others end
+        work_unit = self.workqueue.pop(chosen)
+        self.assigned_work.setdefault(node, {})[chosen] = work_unit
+        collection = self.registered_collections[node]
+        node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
