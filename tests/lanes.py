@@ -8,7 +8,8 @@ overlap with computing instead of taking a worker's turn. Three workers taking a
 (three computing files at once slow each other and the timed tests: 2026-11-26).
 
 A computing lane takes a waiting file when no other file is left (the waiting lane is busy with another); the
-waiting lane takes nothing else. With fewer than 3 workers every worker takes any file, longest first.
+waiting lane takes nothing else, and ends when none is left. With fewer than 3 workers every worker takes any file,
+longest first.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class Lanes(LoadFileScheduling):
             chosen = waits[0] if waits else None
         else:
             chosen = next((scope for scope in scopes if scope not in WAITING), waits[0] if waits else None)
-        if chosen is None:
-            return  # the waiting lane, with nothing left to wait on: it idles until the others end
+        if chosen is None:  # the waiting lane, with nothing left to wait on: done. (A worker runs its last test
+            node.shutdown()  # only once it is sent more or shut down: left waiting, it would hold the run forever.)
+            return
         work_unit = self.workqueue.pop(chosen)
         self.assigned_work.setdefault(node, {})[chosen] = work_unit
         collection = self.registered_collections[node]
