@@ -81,18 +81,18 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(items):
     """pytest-xdist hands out the files in this order (`--no-loadscope-reorder`): the longest first, so that the
-    two workers end together (tests/file_seconds.py)."""
+    workers end together (tests/file_seconds.py, tests/lanes.py)."""
     order = {nodeid: i for i, nodeid in enumerate(longest_first([item.nodeid for item in items], measured()))}
     items.sort(key=lambda item: order[item.nodeid])
 
 
 @pytest.fixture(autouse=True)
 def _alone_if_timed(request):
-    """Under `pytest -n 2` (pytest-xdist, --dist=loadfile) two tests run at once. A test marked `alone` asserts
+    """Under `pytest -n 3` (pytest-xdist, --dist=loadfile) three tests run at once. A test marked `alone` asserts
     time limits of a few seconds (hang and collective timeouts, slow I/O, one rank's stall against the other's):
-    the other test's processes must not starve its ranks. Where this process may raise its priority (as root, as
-    in CI), an `alone` test runs at nice -10 beside the other test, whose processes then get about a tenth of the
-    CPU its ranks ask for (the other test slows, it does not wait); elsewhere it runs with no other test beside it.
+    the other tests' processes must not starve its ranks. Where this process may raise its priority (as root, as
+    in CI), an `alone` test runs at nice -10 beside the other tests, whose processes then get about a tenth of the
+    CPU its ranks ask for (they slow, they do not wait); elsewhere it runs with no other test beside it.
     Either way `alone` tests run one at a time."""
     alone = request.node.get_closest_marker("alone") is not None
     if alone and may_raise_priority():

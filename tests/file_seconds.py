@@ -1,13 +1,13 @@
 """The order in which pytest-xdist hands out the test files: the longest first.
 
-Under `-n 2 --dist loadfile` a worker takes a whole file at a time, and the run ends when the last file ends.
+Under `--dist loadfile` a worker takes a whole file at a time, and the run ends when the last file ends.
 pytest-xdist's own order (most tests first) hands out late the few-test files that run whole jobs (Ray, SLURM, the
 benchmarks), and one worker then runs the last of them while the other has nothing left: ~45 s of a ~15 min run
 (simulated from measured durations, 2026-11-26). Handed out longest first, the last files are short and the two
 workers end together. A file not in the table (a new one) goes first: an unknown file must not become the tail.
 
-The table is each file's measured seconds (the sum of its tests' durations on a 2-core CI machine, two files at a
-time). Refresh it after tests move between files:
+The table is each file's measured seconds (the sum of its tests' durations on a 2-core CI machine, three files at
+a time: tests/lanes.py). Refresh it after tests move between files:
 
     python -m pytest --junitxml=/tmp/junit.xml && python tests/file_seconds.py /tmp/junit.xml
 """

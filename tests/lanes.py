@@ -34,8 +34,11 @@ class Lanes(LoadFileScheduling):
             chosen = waits[0] if waits else None
         else:
             chosen = next((scope for scope in scopes if scope not in WAITING), waits[0] if waits else None)
-        if chosen is None:  # the waiting lane, with nothing left to wait on: done. (A worker runs its last test
-            node.shutdown()  # only once it is sent more or shut down: left waiting, it would hold the run forever.)
+        if chosen is None:
+            # The waiting lane, with nothing left to wait on: done. A worker runs its last test only once it is sent
+            # more or shut down; left idle, it kept test_slurm's module fixture, the cluster's lock, which test_sweep's
+            # SLURM test waited for on another worker: the run hung.
+            node.shutdown()
             return
         work_unit = self.workqueue.pop(chosen)
         self.assigned_work.setdefault(node, {})[chosen] = work_unit
