@@ -29,6 +29,7 @@ import faulthandler
 import itertools
 import os
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -47,6 +48,24 @@ def _main_thread_cpu_clock() -> int | None:
         return time.pthread_getcpuclockid(threading.main_thread().ident)
     except (AttributeError, OSError):
         return None
+
+
+def thread_stacks() -> str:
+    """The stacks of this process's threads, as faulthandler writes them (it needs a file: it writes without
+    allocating, and works where the interpreter is stuck in a way Python's own traceback module cannot see)."""
+    with tempfile.TemporaryFile() as file:
+        faulthandler.dump_traceback(file=file, all_threads=True)
+        file.seek(0)
+        return file.read().decode(errors="replace")
+
+
+def write_lines(text: str, prefix: str) -> None:
+    """`text` to stderr, each line after `prefix`, in one write per line: the ranks of a node share the launcher's
+    stderr, and every rank of a collective that hangs reports at once. A line of one write is never cut by another
+    rank's (up to PIPE_BUF, 4 kB), and each says whose it is: 512 ranks' stacks, interleaved, stay readable."""
+    sys.stderr.flush()
+    for line in text.splitlines():
+        os.write(sys.stderr.fileno(), f"{prefix}{line}\n".encode())
 
 
 @dataclass
@@ -160,8 +179,7 @@ class Watchdog:
             report = self._stalled()
             if report:
                 print(f"{report} Stacks of this rank's threads:", file=sys.stderr, flush=True)
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                sys.stderr.flush()
+                write_lines(thread_stacks(), prefix=f"[rank {self.rank}] ")
                 self.report_hang(report, wait_s=2 * every + 2)
                 os._exit(HANG_EXIT_CODE)
             self.reports.answer_request(self.state())
