@@ -72,6 +72,7 @@ def may_raise_priority() -> bool:
         return False
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: `-p no:xdist` runs without it
 def pytest_xdist_make_scheduler(config, log):
     """Two workers for the files that compute, one for those that wait on the test clusters (tests/lanes.py)."""
     from lanes import Lanes

@@ -1,11 +1,12 @@
 """Which pytest-xdist worker runs which test file: two lanes for the files that compute, one for those that wait.
 
-The suite is CPU-bound on 2 cores, but the Ray and SLURM files mostly wait: for a cluster's job to be scheduled, for
-a node to be declared lost, for a requeue (~250 s of a ~15 min run, 70 s of it CPU in the test processes). Under
-`-n 2` such a file holds one of the two workers while it waits, and a core idles (the cores were ~81% busy). With
-`-n 3` and these lanes, the last worker runs only the waiting files, beside two workers that run the rest: the waits
-overlap with computing instead of taking a worker's turn. Three workers taking any file were no faster than two
-(three computing files at once slow each other and the timed tests: 2026-11-26).
+The suite is CPU-bound on 2 cores, but a few files mostly wait: the Ray and SLURM files for a cluster's job to be
+scheduled, a node to be declared lost, a requeue; the slow-I/O files for checkpoint reads and writes slowed on purpose
+(~330 s of a ~15 min run, ~95 s of it CPU in the test processes). Under `-n 2` such a file holds one of the two
+workers while it waits, and a core idles (the cores were ~81% busy). With `-n 3` and these lanes, the last worker
+runs only the waiting files, beside two workers that run the rest: the waits overlap with computing instead of taking
+a worker's turn (pytest 14:20 -> 12:06 on a fresh clone with the cluster files alone in the lane, 2026-11-26). Three
+workers taking any file were no faster than two (three computing files at once slow each other and the timed tests).
 
 A computing lane takes a waiting file when no other file is left (the waiting lane is busy with another); the
 waiting lane takes nothing else, and ends when none is left. With fewer than 3 workers every worker takes any file,
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 from xdist.scheduler import LoadFileScheduling
 
-WAITING = ("tests/test_ray.py", "tests/test_slurm.py")  # their tests wait on the test clusters' jobs
+# Their tests wait: on the test clusters' jobs; on checkpoint I/O slowed on purpose (FAULT=slow_io, slow_commit).
+WAITING = ("tests/test_ray.py", "tests/test_slurm.py", "tests/test_resume.py", "tests/test_checkpoint_io.py")
 
 
 def waiting_lane(nodes: list) -> object | None:
