@@ -131,6 +131,8 @@ def restart_would_repeat(failures: dict[int, ProcessFailure]) -> bool:
 class Agent(LocalElasticAgent):
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
+        if result.is_failed():
+            self.reported = self._pcontext  # its failures are reported here or at the end, not again by a stop
         if result.is_failed() and restart_would_repeat(result.failures):
             self._remaining_restarts = 0  # the failure is reported once, at the end, and not restarted into
         if result.is_failed() and self._remaining_restarts > 0:
@@ -161,7 +163,9 @@ class Agent(LocalElasticAgent):
         """By global rank, the workers that ended with an error of their own while the signal stopped the others (a
         stop's save that failed, a rank that failed just before the signal): a clean stop ends a worker with exit 0,
         and the signal or the kill that follows its timeout are the stop's, not a failure."""
-        result = self._pcontext.wait(0) if self._pcontext else None
+        if self._pcontext is None or self._pcontext is getattr(self, "reported", None):
+            return {}  # none started yet, or the attempt that failed before (a signal while the group restarts)
+        result = self._pcontext.wait(0)
         if result is None:
             return {}
         workers = self._worker_group.workers

@@ -146,6 +146,24 @@ def test_a_rank_failing_while_a_signal_stops_the_run_is_reported_not_called_a_cl
     assert status["status"] == "failed" and "rank 1 failed, exit code 1" in status["error"]
 
 
+def test_a_stop_while_the_group_restarts_does_not_report_the_failure_that_restarted_it_again():
+    """The agent's state between two attempts: the failed attempt's processes, already reported and restarted."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.multiprocessing.api import RunProcsResult
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from launcher.agent import Agent
+
+    failed = RunProcsResult(failures={1: ProcessFailure(local_rank=1, pid=7, exitcode=1, error_file="/nonexistent")})
+    agent = object.__new__(Agent)  # only what a stop reads
+    agent._pcontext = SimpleNamespace(wait=lambda timeout: failed)
+    agent._worker_group = SimpleNamespace(workers=[SimpleNamespace(global_rank=4), SimpleNamespace(global_rank=5)])
+    assert list(agent._failures_while_stopping()) == [5]  # a rank that failed as the signal came: by global rank
+    agent.reported = agent._pcontext  # the monitor saw it first: reported, and the group restarts
+    assert agent._failures_while_stopping() == {}
+
+
 @pytest.mark.alone
 def test_a_hanging_rank_is_reported_by_rank_and_the_group_restarts(launch, tmp_path):
     run_dir = tmp_path / "run"
