@@ -8,9 +8,12 @@ runs only the waiting files, beside two workers that run the rest: the waits ove
 a worker's turn (pytest 14:20 -> 12:06 on a fresh clone with the cluster files alone in the lane, 2026-11-26). Three
 workers taking any file were no faster than two (three computing files at once slow each other and the timed tests).
 
-A computing lane takes a waiting file when no other file is left (the waiting lane is busy with another); the
-waiting lane takes nothing else, and ends when none is left. With fewer than 3 workers every worker takes any file,
-longest first.
+A computing lane takes a waiting file when no other file is left (the waiting lane is busy with another). The
+waiting lane, with no waiting file left, takes the shortest file left (the computing lanes take the longest), so the
+lanes meet in the middle of the queue, and it never idles while files are left: a worker runs its last test only
+once it is sent more or shut down, and an idle one kept test_slurm's module fixture, the cluster's lock, which
+test_sweep's SLURM test waited for on another worker (the run hung). With fewer than 3 workers every worker takes
+any file, longest first.
 """
 
 from __future__ import annotations
@@ -31,17 +34,14 @@ def waiting_lane(nodes: list) -> object | None:
 class Lanes(LoadFileScheduling):
     def _assign_work_unit(self, node) -> None:
         scopes = list(self.workqueue)  # longest first (tests/file_seconds.py)
-        waits = [scope for scope in scopes if scope in WAITING]
-        if node is waiting_lane(self.nodes):
-            chosen = waits[0] if waits else None
-        else:
-            chosen = next((scope for scope in scopes if scope not in WAITING), waits[0] if waits else None)
-        if chosen is None:
-            # The waiting lane, with nothing left to wait on: done. A worker runs its last test only once it is sent
-            # more or shut down; left idle, it kept test_slurm's module fixture, the cluster's lock, which test_sweep's
-            # SLURM test waited for on another worker: the run hung.
-            node.shutdown()
+        if not scopes:
             return
+        waits = [scope for scope in scopes if scope in WAITING]
+        computing = [scope for scope in scopes if scope not in WAITING]
+        if node is waiting_lane(self.nodes):
+            chosen = waits[0] if waits else scopes[-1]
+        else:
+            chosen = computing[0] if computing else scopes[0]
         work_unit = self.workqueue.pop(chosen)
         self.assigned_work.setdefault(node, {})[chosen] = work_unit
         collection = self.registered_collections[node]
