@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, final_checkpoint, logged_steps, read_metrics, run_cli, wait_for
-from test_faults import kill_leftovers
+from conftest import REPO, final_checkpoint, read_metrics, run_cli
+from test_faults import signalled_launch
 
 EXAMPLE = REPO / "examples" / "diabetes"
 # Deterministic runs for the identities: no augmentation noise, no loader workers (they are tested below).
@@ -220,16 +220,8 @@ def test_a_stop_signal_with_loader_workers_saves_at_a_step_boundary(project, tmp
     torch's workers exit on a SIGTERM that is not their rank's: a rank stopping to save lost its workers, then itself
     at its next batch ("DataLoader worker exited unexpectedly"), and every step since its last checkpoint."""
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "launcher", *STREAM, "trainer.epochs=1000", "trainer.max_steps=20000",
-               "trainer.stop_check_s=0.05", f"hydra.run.dir={run_dir}"]
-    with subprocess.Popen(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        try:
-            wait_for(lambda: any(s >= 20 for s in logged_steps(run_dir)), timeout=120, what="the first logged steps")
-            proc.send_signal(signal.SIGTERM)
-            out, err = proc.communicate(timeout=120)
-        finally:
-            kill_leftovers(proc, run_dir)
-    print(out, err)
+    proc, out, err = signalled_launch([*STREAM, "trainer.epochs=1000", "trainer.max_steps=20000",
+                                       "trainer.stop_check_s=0.05"], run_dir, cwd=project, after_step=20)
     assert proc.returncode == 128 + signal.SIGTERM
     assert "[rank 0] SIGTERM: saving a checkpoint at the next step boundary" in err and "DataLoader worker" not in err
     saved = final_checkpoint(run_dir)

@@ -98,18 +98,28 @@ def kill_leftovers(proc: subprocess.Popen, run_dir) -> None:
     subprocess.run(["pkill", "-9", "-f", f"train {run_dir}/config.yaml"], capture_output=True)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: the terminal or ssh session closed
-def test_a_signal_to_the_launcher_saves_at_a_step_boundary_and_the_rerun_finishes_exactly(launch, tmp_path, uninterrupted, sig):
-    run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "launcher", *FAULTY, f"hydra.run.dir={run_dir}"]
-    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+def signalled_launch(overrides: list[str], run_dir, cwd, sig: int = signal.SIGTERM, after_step: int = 3,
+                     env: dict | None = None) -> tuple[subprocess.Popen, str, str]:
+    """`python -m launcher OVERRIDES hydra.run.dir=RUN_DIR`, sent `sig` once it has logged a step past
+    `after_step`; the ended process, its stdout and its stderr."""
+    command = [sys.executable, "-m", "launcher", *overrides, f"hydra.run.dir={run_dir}"]
+    with subprocess.Popen(command, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
         try:
-            wait_for(lambda: any(s >= 3 for s in logged_steps(run_dir)), timeout=120, what="the first logged steps")
+            wait_for(lambda: any(s >= after_step for s in logged_steps(run_dir)), timeout=120,
+                     what="the first logged steps")
             proc.send_signal(sig)
             out, err = proc.communicate(timeout=120)
         finally:
             kill_leftovers(proc, run_dir)
     print(out, err)
+    return proc, out, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: the terminal or ssh session closed
+def test_a_signal_to_the_launcher_saves_at_a_step_boundary_and_the_rerun_finishes_exactly(launch, tmp_path, uninterrupted, sig):
+    run_dir = tmp_path / "run"
+    proc, out, err = signalled_launch(FAULTY, run_dir, cwd=tmp_path, sig=sig)
     assert proc.returncode == 128 + sig
     # The workers stop on SIGTERM: a SIGHUP reaches them as one instead of killing them unsaved.
     assert "[rank 0] SIGTERM: saving a checkpoint at the next step boundary" in err and "Run the same command again" in err
@@ -128,16 +138,7 @@ def test_a_rank_failing_while_a_signal_stops_the_run_is_reported_not_called_a_cl
     """A SIGTERM to the launcher, and rank 1's stop fails (its save: no space left): the launcher said "the workers
     were stopped ... resume from the last checkpoint" as if all went well, and the status said nothing."""
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "launcher", *FAULTY, f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, **fault_env("fail_on_stop", rank=1)}
-    with subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        try:
-            wait_for(lambda: any(s >= 3 for s in logged_steps(run_dir)), timeout=120, what="the first logged steps")
-            proc.send_signal(signal.SIGTERM)
-            out, err = proc.communicate(timeout=120)
-        finally:
-            kill_leftovers(proc, run_dir)
-    print(out, err)
+    proc, out, err = signalled_launch(FAULTY, run_dir, cwd=tmp_path, env=fault_env("fail_on_stop", rank=1))
     assert proc.returncode == 128 + signal.SIGTERM  # a signal still stops a whole sweep
     assert "error: stopped by SIGTERM, and meanwhile training failed" in err
     assert "rank 1 failed, exit code 1" in err and "no space left on device for the stop's checkpoint (rank 1)" in err
