@@ -7,6 +7,7 @@ import fcntl
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -174,6 +175,31 @@ def corpus(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tokens")
     prepare(stdlib_sources(300_000), directory)
     return directory
+
+
+def kill_leftovers(proc: subprocess.Popen, run_dir) -> None:
+    """A failed test must not leave a launcher or its workers running (they sit in their own sessions)."""
+    if proc.poll() is None:
+        proc.kill()
+    subprocess.run(["pkill", "-9", "-f", f"train {run_dir}/config.yaml"], capture_output=True)
+
+
+def signalled_launch(overrides: list[str], run_dir, cwd, sig: int = signal.SIGTERM, after_step: int = 3,
+                     env: dict | None = None) -> tuple[subprocess.Popen, str, str]:
+    """`python -m launcher OVERRIDES hydra.run.dir=RUN_DIR`, sent `sig` once it has logged a step past
+    `after_step`; the ended process, its stdout and its stderr."""
+    command = [sys.executable, "-m", "launcher", *overrides, f"hydra.run.dir={run_dir}"]
+    with subprocess.Popen(command, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            wait_for(lambda: any(s >= after_step for s in logged_steps(run_dir)), timeout=120,
+                     what="the first logged steps")
+            proc.send_signal(sig)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            kill_leftovers(proc, run_dir)
+    print(out, err)
+    return proc, out, err
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -14,8 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, final_checkpoint, read_metrics, run_cli
-from test_faults import signalled_launch
+from conftest import REPO, final_checkpoint, read_metrics, run_cli, signalled_launch
 
 EXAMPLE = REPO / "examples" / "diabetes"
 # Deterministic runs for the identities: no augmentation noise, no loader workers (they are tested below).
@@ -226,7 +225,10 @@ def test_a_stop_signal_with_loader_workers_saves_at_a_step_boundary(project, tmp
     assert "[rank 0] SIGTERM: saving a checkpoint at the next step boundary" in err and "DataLoader worker" not in err
     saved = final_checkpoint(run_dir)
     assert saved["step"] >= 20 and f"stopped at step {saved['step']} with a checkpoint" in out
-    assert all(p["loader"] is not None for p in saved["data"])  # each rank's stream position, from its workers
+    per_epoch = json.loads((run_dir / "plan.json").read_text())["steps_per_epoch"]
+    for position in saved["data"]:  # each rank's stream position, from its workers (none at an epoch's boundary)
+        assert position["batches"] == (saved["step"] - 1) % per_epoch + 1
+        assert (position["loader"] is not None) == (position["batches"] < per_epoch)
 
 
 STUCK_STREAM = '''import os

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import tracker_records
-from conftest import FAST, final_checkpoint, fault_env, logged_steps, read_metrics, run_cli, wait_for
+from conftest import (FAST, final_checkpoint, fault_env, kill_leftovers, logged_steps, read_metrics, run_cli,
+                      signalled_launch, wait_for)
 from test_ddp_identity import IDENTITY, RESUME
 from train.observe.status import read_status
 
@@ -89,31 +90,6 @@ def assert_trackers_hold_the_run(run_dir, records: list[dict], resumed: int, kil
     assert f"resumed at step {resumed}" in mlflow_run.data.tags["note.resume"]
     assert "optimizer MB" in mlflow_run.data.tags["note.memory"]
     assert not any(tag.startswith(("checkpoint/", "memory/")) or tag.endswith("epoch") for tag in mlflow_run.data.metrics)
-
-
-def kill_leftovers(proc: subprocess.Popen, run_dir) -> None:
-    """A failed test must not leave a launcher or its workers running (they sit in their own sessions)."""
-    if proc.poll() is None:
-        proc.kill()
-    subprocess.run(["pkill", "-9", "-f", f"train {run_dir}/config.yaml"], capture_output=True)
-
-
-def signalled_launch(overrides: list[str], run_dir, cwd, sig: int = signal.SIGTERM, after_step: int = 3,
-                     env: dict | None = None) -> tuple[subprocess.Popen, str, str]:
-    """`python -m launcher OVERRIDES hydra.run.dir=RUN_DIR`, sent `sig` once it has logged a step past
-    `after_step`; the ended process, its stdout and its stderr."""
-    command = [sys.executable, "-m", "launcher", *overrides, f"hydra.run.dir={run_dir}"]
-    with subprocess.Popen(command, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:
-        try:
-            wait_for(lambda: any(s >= after_step for s in logged_steps(run_dir)), timeout=120,
-                     what="the first logged steps")
-            proc.send_signal(sig)
-            out, err = proc.communicate(timeout=120)
-        finally:
-            kill_leftovers(proc, run_dir)
-    print(out, err)
-    return proc, out, err
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: the terminal or ssh session closed
