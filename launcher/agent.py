@@ -157,12 +157,11 @@ class Agent(LocalElasticAgent):
             print(f"{signal.Signals(death_sig).name}: the workers save a checkpoint at the next step boundary and stop "
                   f"(up to launcher.shutdown_timeout_s={timeout}); send it again to stop them at once", file=sys.stderr, flush=True)
         super()._shutdown(forwarded, timeout)
-        self.failed_while_stopping = self._failures_while_stopping()
 
-    def _failures_while_stopping(self) -> dict[int, ProcessFailure]:
-        """By global rank, the workers that ended with an error of their own while the signal stopped the others (a
-        stop's save that failed, a rank that failed just before the signal): a clean stop ends a worker with exit 0,
-        and the signal or the kill that follows its timeout are the stop's, not a failure."""
+    def failures_while_stopping(self) -> dict[int, ProcessFailure]:
+        """After a signal stopped the workers: by global rank, those that ended with an error of their own (a stop's
+        save that failed, a rank that failed just before the signal). A clean stop ends a worker with exit 0, and the
+        signal or the kill that follows its timeout are the stop's, not a failure."""
         if self._pcontext is None or self._pcontext is getattr(self, "reported", None):
             return {}  # none started yet, or the attempt that failed before (a signal while the group restarts)
         result = self._pcontext.wait(0)
@@ -170,7 +169,7 @@ class Agent(LocalElasticAgent):
             return {}
         workers = self._worker_group.workers
         stops = (-signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL)
-        return {workers[local].global_rank if local < len(workers) else local: failure
+        return {workers[local].global_rank: failure
                 for local, failure in result.failures.items() if failure.exitcode not in stops}
 
     def _kill_workers(self, signum: int, frame) -> None:
@@ -335,7 +334,7 @@ def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str]) -> None:
             raise ChildFailedError(name="python -m train", failures=result.failures)
     except SignalException as error:
         close_rendezvous = False  # as torchrun: a signalled agent leaves the rendezvous open for a rerun
-        error.failures = getattr(agent, "failed_while_stopping", {})  # read by the launcher's report
+        error.failures = agent.failures_while_stopping() if isinstance(agent, Agent) else {}  # for the report
         raise
     finally:
         if close_rendezvous:

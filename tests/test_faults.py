@@ -136,9 +136,9 @@ def test_a_stop_while_the_group_restarts_does_not_report_the_failure_that_restar
     agent = object.__new__(Agent)  # only what a stop reads
     agent._pcontext = SimpleNamespace(wait=lambda timeout: failed)
     agent._worker_group = SimpleNamespace(workers=[SimpleNamespace(global_rank=4), SimpleNamespace(global_rank=5)])
-    assert list(agent._failures_while_stopping()) == [5]  # a rank that failed as the signal came: by global rank
+    assert list(agent.failures_while_stopping()) == [5]  # a rank that failed as the signal came: by global rank
     agent.reported = agent._pcontext  # the monitor saw it first: reported, and the group restarts
-    assert agent._failures_while_stopping() == {}
+    assert agent.failures_while_stopping() == {}
 
 
 @pytest.mark.alone
