@@ -128,7 +128,18 @@ def restart_would_repeat(failures: dict[int, ProcessFailure]) -> bool:
     return all(f.exitcode == NONFINITE_EXIT_CODE for _, f in root_causes(failures))
 
 
+# torch 2.13 gave the agent a shutdown timeout (LaunchConfig.shutdown_timeout, the agent's shutdown_timeout, a
+# `timeout` of _shutdown); before, it was PContext.close's 30 s. The Agent takes it on either.
+AGENT_TAKES_SHUTDOWN_TIMEOUT = "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters
+
+
 class Agent(LocalElasticAgent):
+    def __init__(self, *args, shutdown_timeout: int = 30, **kwargs):
+        if AGENT_TAKES_SHUTDOWN_TIMEOUT:
+            kwargs["shutdown_timeout"] = shutdown_timeout
+        super().__init__(*args, **kwargs)
+        self.shutdown_timeout = shutdown_timeout
+
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
         if result.is_failed():
@@ -147,7 +158,7 @@ class Agent(LocalElasticAgent):
             )
         return result
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int | None = None) -> None:
         # While the workers save and stop (up to `timeout`), another signal kills them instead of waiting.
         for name in SIGNALS_TO_HANDLE.split(","):
             signal.signal(signal.Signals[name], self._kill_workers)
@@ -156,7 +167,18 @@ class Agent(LocalElasticAgent):
             # Said here, not by the workers' handlers (which only set a flag) nor by a rank that may be stuck.
             print(f"{signal.Signals(death_sig).name}: the workers save a checkpoint at the next step boundary and stop "
                   f"(up to launcher.shutdown_timeout_s={timeout}); send it again to stop them at once", file=sys.stderr, flush=True)
-        super()._shutdown(forwarded, timeout)
+        timeout = self.shutdown_timeout if timeout is None else timeout
+        if AGENT_TAKES_SHUTDOWN_TIMEOUT:
+            super()._shutdown(forwarded, timeout)
+        else:  # torch < 2.13's _shutdown, with the timeout its PContext.close already takes
+            if self._worker_watchdog is not None:
+                self._worker_watchdog.stop()
+                self._worker_watchdog = None
+            if getattr(self, "_health_check_server", None) is not None:
+                self._health_check_server.stop()
+                self._health_check_server = None
+            if self._pcontext:
+                self._pcontext.close(forwarded, timeout)
 
     def failures_while_stopping(self) -> dict[int, ProcessFailure]:
         """After a signal stopped the workers: by global rank, those that ended with an error of their own (a stop's
@@ -232,9 +254,15 @@ def extensions_supported() -> bool:
     if list(namer.parameters) != ["depth"]:
         return False
     source = inspect.getsource(LocalElasticAgent)
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    shutdown_parameters = list(shutdown.parameters)
+    close = list(inspect.signature(PContext.close).parameters)
     return (
         list(monitor.parameters) == ["self", "worker_group"]
-        and list(shutdown.parameters)[:3] == ["self", "death_sig", "timeout"]
+        and (shutdown_parameters[:3] == ["self", "death_sig", "timeout"]  # torch >= 2.13
+             or (shutdown_parameters == ["self", "death_sig"] and close[:3] == ["self", "death_sig", "timeout"]
+                 and "_worker_watchdog" in inspect.getsource(LocalElasticAgent._shutdown)))  # torch 2.11, 2.12
         and "self._pcontext" in source
         and "_remaining_restarts" in inspect.getsource(LocalElasticAgent.__mro__[1])
     )
@@ -326,7 +354,8 @@ def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str]) -> None:
               f"running it unextended (no printed restart causes, no SIGHUP -> SIGTERM, no second-signal kill)",
               file=sys.stderr, flush=True)
         agent_class = LocalElasticAgent
-    agent = agent_class(spec=spec, logs_specs=config.logs_specs, shutdown_timeout=config.shutdown_timeout)
+    timeout = {"shutdown_timeout": config.shutdown_timeout} if agent_class is Agent or AGENT_TAKES_SHUTDOWN_TIMEOUT else {}
+    agent = agent_class(spec=spec, logs_specs=config.logs_specs, **timeout)
     close_rendezvous = True
     try:
         result = agent.run()

@@ -45,7 +45,7 @@ def rendezvous_id(cfg: Config | DictConfig, run_dir: Path) -> str:
 
 
 def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
-    return LaunchConfig(
+    config = LaunchConfig(
         min_nodes=cfg.trainer.nodes,
         max_nodes=cfg.trainer.nodes,
         nproc_per_node=procs_per_node(cfg.trainer),
@@ -55,10 +55,12 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
         rdzv_configs={"timeout": cfg.launcher.rdzv_timeout_s},
         max_restarts=cfg.launcher.max_restarts,
         monitor_interval=cfg.launcher.monitor_interval_s,
-        shutdown_timeout=cfg.launcher.shutdown_timeout_s,
         # Where the agent keeps each attempt's error files (a failed rank's traceback); stdout stays on the console.
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
     )
+    # A field of LaunchConfig since torch 2.13, set after construction so that torch 2.11 takes it too (launcher.agent).
+    config.shutdown_timeout = cfg.launcher.shutdown_timeout_s
+    return config
 
 
 def threads_per_process(cfg: Config) -> int:

@@ -135,6 +135,7 @@ def check_one_batch(cfg: Config, problems: list[str]) -> None:
     from train.build import build_model, build_task
     from train.forecast import first_sample, grow
     from train.step import model_call
+    from train.tasks import follow_model
 
     before = len(problems)
     train = built(cfg, "train", problems)
@@ -161,6 +162,7 @@ def check_one_batch(cfg: Config, problems: list[str]) -> None:
     try:
         if small:
             model = build_model(cfg).eval()  # eval: batch statistics and dropout play no part in a shape check
+        follow_model(task, model)  # model_loss: whether per-token labels shift, as the workers will decide
         inputs, targets = task.split(batch)
         with torch.no_grad():
             output = model_call(task)(model, inputs)

@@ -50,7 +50,7 @@ def test_a_loss_over_tokens_is_the_same_however_the_global_batch_is_split(corpus
 
 def test_model_loss_counts_one_label_per_sample_without_a_shift():
     """A classifier's labels (N,) are not shifted as a causal LM's (N, T) are: a batch of N counts N, not N - 1."""
-    task = ModelLoss()
+    task = ModelLoss(shift_labels=True)
     labels = torch.tensor([0, 1, 2, 1])
     assert task.count({"input_ids": torch.zeros(4, 7, dtype=torch.long), "labels": labels}) == 4
     tokens = torch.tensor([[5, 6, -100, 7], [-100, -100, 1, 2]])

@@ -82,6 +82,12 @@ def _recomputed(forward, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
+# Below this many parameters a model built on the meta device is checked against a full build (a fraction of a second
+# of every rank's start): an initialisation the recording misses becomes a full build with its reason, never other
+# weights. Larger models rely on the recording alone (train/parallel/meta_init.py: what it records and refuses).
+CHECKED_PARAMETERS = 20_000_000
+
+
 def build_initial_model(cfg: TrainConfig):
     """The model with the same initial weights on every rank: built whole, or under fsdp with trainer.meta_init on
     the meta device, with the recipes that give each rank its shards once sharded (train/parallel/meta_init.py)."""
@@ -89,18 +95,29 @@ def build_initial_model(cfg: TrainConfig):
     if cfg.trainer.strategy == "fsdp" and cfg.trainer.meta_init:
         from hydra.utils import get_object
 
-        from train.parallel.meta_init import Unsupported, build_on_meta  # DTensor: a second's import, fsdp's only
+        from train.parallel.meta_init import Unsupported, build_on_meta, first_difference  # DTensor: fsdp's only
 
         get_object(cfg.model["_target_"])  # its module imported first: build_on_meta adapts to a Hugging Face model's
+        fallback = "trainer.meta_init: building the whole model on every rank instead (%s); trainer.meta_init=false " \
+                   "says so without this line"
         try:
             model, recipes = build_on_meta(lambda: build_model(cfg))
-            log.info("trainer.meta_init: the model was built on the meta device; each rank fills in its shards only")
-            return model, recipes
         except Unsupported as why:
-            log.warning("trainer.meta_init: building the whole model on every rank instead (%s)", why)
+            log.warning(fallback, why)
+        except Exception as why:  # noqa: BLE001 (the model's own code on the meta device: from_pretrained refuses it, an op without a meta kernel)
+            log.warning(fallback, f"it cannot be built on the meta device: {type(why).__name__}: {str(why).splitlines()[0]}")
+        else:
+            if sum(p.numel() for p in model.parameters()) >= CHECKED_PARAMETERS:
+                log.info("trainer.meta_init: the model was built on the meta device; each rank fills in its shards only")
+                return model, recipes
             torch.manual_seed(cfg.trainer.seed)
-        except RuntimeError as why:  # a model that loads its weights (from_pretrained) refuses the meta device
-            log.warning("trainer.meta_init: building the whole model on every rank instead (it cannot be built on "
-                        "the meta device: %s)", str(why).splitlines()[0])
-            torch.manual_seed(cfg.trainer.seed)
+            full = build_model(cfg)
+            differs = first_difference(recipes, full)
+            if differs is None:
+                log.info("trainer.meta_init: the model was built on the meta device (checked against a full build); "
+                         "each rank fills in its shards only")
+                return model, recipes
+            log.warning(fallback, differs)
+            return full, None
+        torch.manual_seed(cfg.trainer.seed)
     return build_model(cfg), None

@@ -37,6 +37,7 @@ from train.optim import Plan, build_scheduler, job_world, make_plan, replica_ran
 from train.parallel.strategies import build_strategy
 from train.parallel.strategy import Strategy, memory_format, place
 from train.step import build_autocast, set_matmul_precision
+from train.tasks import follow_model
 
 log = logging.getLogger("train")
 
@@ -123,6 +124,9 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     task = build_task(cfg)
     with watchdog.phase("building the model"):
         model, recipes = build_initial_model(cfg)
+    choice = follow_model(task, model)  # a task that adapts to the model (model_loss: whether labels shift)
+    if choice:
+        log.info(choice)
     flops = flops_per_token(model)
     if cfg.trainer.activation_checkpointing:
         checkpoint_blocks(model)

@@ -182,17 +182,31 @@ class ModelLoss(Task):
     The model's loss is taken as a mean over what its batch counts: the labels that are not `ignore_index` when the
     batch has `labels_key` (per-token labels (N, T) shifted by one when `shift_labels`: the model predicts
     labels[:, 1:], as Hugging Face causal LMs do; one label per sample (N,) is never shifted), else the batch's
-    samples. Training and evaluation weigh each batch by that count. `accuracy: true` also reports the accuracy of
+    samples. `shift_labels: null` (the default) follows the model (`follow`): a Hugging Face causal LM shifts; a
+    token classifier, a masked LM, a seq2seq model, a CTC model and any other model compare position by position. Training and evaluation weigh each batch by that count. `accuracy: true` also reports the accuracy of
     the output's `logits` against the labels (a classifier's; best.pt then keeps the highest), `perplexity: true`
     exp(loss)."""
 
-    def __init__(self, labels_key: str = "labels", ignore_index: int = -100, shift_labels: bool = True,
+    def __init__(self, labels_key: str = "labels", ignore_index: int = -100, shift_labels: bool | None = None,
                  perplexity: bool = False, accuracy: bool = False):
         super().__init__()
         self.labels_key, self.ignore_index, self.shift_labels = labels_key, ignore_index, shift_labels
         self.perplexity, self.accuracy = perplexity, accuracy
         if accuracy:
             self.main_metric, self.mode = "acc", "max"
+
+    def follow(self, model) -> str:
+        """Settle `shift_labels` from the model where the config leaves it null; returns the choice in one line."""
+        if self.shift_labels is not None:
+            return f"task.shift_labels={str(self.shift_labels).lower()} (set in the config)"
+        causal = predicts_next_token(model)
+        self.shift_labels = bool(causal)
+        name = type(model).__name__
+        if causal:
+            return f"task.shift_labels=true: {name} is a causal LM (it predicts labels[:, 1:])"
+        kind = "is not a causal LM" if causal is False else "is not a Hugging Face model: not known to shift"
+        return (f"task.shift_labels=false: {name} {kind}, so per-token labels are compared position by position "
+                f"(task.shift_labels=true if it predicts labels[:, 1:])")
 
     def split(self, batch) -> tuple:
         return batch, batch  # all of it goes to the model; the batch also says how many targets count
@@ -258,6 +272,30 @@ class ModelLoss(Task):
         if self.perplexity:
             values["perplexity"] = math.exp(min(loss, 700.0))
         return values
+
+
+def predicts_next_token(model) -> bool | None:
+    """Whether a Hugging Face model is a causal LM, whose own loss compares logits[:, :-1] with labels[:, 1:]
+    (transformers' causal-LM classes: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES); None for a model that is not Hugging
+    Face's (no `config` with a `model_type`)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) is None:
+        return None
+    if getattr(config, "is_encoder_decoder", False):
+        return False  # seq2seq: the decoder's inputs are shifted, its labels are not
+    names = {cls.__name__ for cls in type(model).__mro__}
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+    except ImportError:
+        CAUSAL = {}
+    causal = {n for v in CAUSAL.values() for n in ((v,) if isinstance(v, str) else v)}
+    return bool(names & causal) or any(n.endswith(("ForCausalLM", "LMHeadModel")) for n in names)
+
+
+def follow_model(task, model) -> str | None:
+    """A task that adapts to the model it scores (`follow(model)`, e.g. ModelLoss's shift_labels): its choice."""
+    follow = getattr(task, "follow", None)
+    return follow(model) if callable(follow) else None
 
 
 def weighing(task) -> tuple:

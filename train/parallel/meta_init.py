@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 RANDOM = {"uniform_", "normal_", "random_", "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_"}
 CONTENT_FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
@@ -52,6 +53,11 @@ def _release_freed_memory() -> None:
 
 def _name(func) -> str:
     return func.overloadpacket.__name__
+
+
+def _fills(func) -> bool:
+    """Whether a recorded step gives every element a value (a random draw, a fill, a torch.nn.init function)."""
+    return isinstance(func, _InitUnit) or _name(func) in RANDOM | {"fill_", "zero_"}
 
 
 SHADOW_NUMEL = 1 << 20  # small tensors computed at construction (a rotary table) are also computed on the CPU
@@ -85,7 +91,8 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = _name(func)
-        meta_inputs = any(isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values()))
+        # Inputs inside lists count (torch.stack of meta tensors computes from them; it creates nothing new).
+        meta_inputs = any(isinstance(a, torch.Tensor) and a.is_meta for a in tree_leaves((args, kwargs)))
         if isinstance(out, torch.Tensor) and out.is_meta and not meta_inputs:
             # A new tensor (torch.empty, zeros, randn, torch.tensor(...)): run it on the CPU as well, so that a
             # random one moves the generator on as a full build would; replayed later from the same state.
@@ -128,6 +135,82 @@ class _Recorder(TorchDispatchMode):
         self.recipes[key].append((func, tuple(rest) if rest is not None else args[1:], kwargs, state))
 
 
+    def record_unit(self, function, tensor: torch.Tensor, args, kwargs) -> None:
+        """A whole `torch.nn.init` function applied to a new meta tensor, recorded as one step: it is run on a CPU
+        scratch tensor here (the generator moves on exactly as in a full build, however many numbers it draws: torch's
+        trunc_normal_ rejects and redraws, and skips meta tensors outright) and run again, whole, at replay."""
+        key = _key(tensor)
+        if kwargs.get("generator") is not None:
+            self.problems[key] = f"{function.__name__} draws from a private generator"
+        elif tensor._base is not None or tensor.storage_offset() != 0:
+            self.problems[key] = f"{function.__name__} writes through a view"
+        state = torch.get_rng_state()
+        scratch = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")  # not the meta device of the build
+        function(scratch, *args, **kwargs)  # every torch.nn.init function overwrites the whole tensor
+        if id(tensor) in self.shadows:
+            self.shadows[id(tensor)] = scratch if scratch.numel() <= SHADOW_NUMEL else self.shadows.pop(id(tensor))
+        if key in self.recipes:
+            self.recipes[key].append((_InitUnit(function), args, kwargs, state))
+        del scratch
+        _release_freed_memory()
+
+
+class _InitUnit:
+    """A torch.nn.init function as one recorded step (its name for messages and for what counts as filling)."""
+
+    def __init__(self, function):
+        self.function, self.name = function, function.__name__
+
+    def __call__(self, tensor, *args, **kwargs):
+        return self.function(tensor, *args, **kwargs)
+
+
+# Where torch.nn.init's functions are looked up when a model initialises: the module itself (nn.Linear's
+# reset_parameters reads init.kaiming_uniform_), and modules that imported a function by name (MultiheadAttention's
+# xavier_uniform_). The same list as transformers' guard_torch_init_functions.
+INIT_FUNCTIONS = ("uniform_", "normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
+                  "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "orthogonal_", "sparse_")
+INIT_LOOKUP_MODULES = ("torch.nn.init", "torch.nn.modules.activation", "torch.nn.modules.transformer",
+                       "torch.nn.modules.linear", "torch.nn.modules.batchnorm", "torch.nn.modules.conv",
+                       "torch.nn.modules.normalization", "torch.nn.modules.rnn", "torch.nn.modules.sparse")
+
+
+@contextlib.contextmanager
+def _init_functions_recorded(recorder: _Recorder):
+    """Every torch.nn.init function, wherever it is looked up (Hugging Face keeps the originals in a table of its own,
+    transformers.initialization.TORCH_INIT_FUNCTIONS), records itself whole when given a meta tensor."""
+    originals = {name: getattr(torch.nn.init, name) for name in INIT_FUNCTIONS}
+
+    def unit(function):
+        @functools.wraps(function)
+        def recorded(tensor, *args, **kwargs):
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                recorder.record_unit(function, tensor, args, kwargs)
+                return tensor
+            return function(tensor, *args, **kwargs)
+        return recorded
+
+    units = {name: unit(function) for name, function in originals.items()}
+    patched: list[tuple[object, str, object]] = []
+    places = [sys.modules[m] for m in INIT_LOOKUP_MODULES if m in sys.modules]
+    for place in places:
+        for name, function in originals.items():
+            if getattr(place, name, None) is function:
+                patched.append((place, name, function))
+                setattr(place, name, units[name])
+    table = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", None)
+    table_before = dict(table) if isinstance(table, dict) else None
+    if table_before is not None:
+        table.update({name: units[name] for name in table if name in units and table[name] is originals[name]})
+    try:
+        yield
+    finally:
+        for place, name, function in patched:
+            setattr(place, name, function)
+        if table_before is not None:
+            table.update(table_before)
+
+
 def _constant(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     return value.clone().to(device)
 
@@ -141,7 +224,7 @@ def build_on_meta(build) -> tuple[nn.Module, dict]:
     Raises Unsupported (the generator is then left where a full build leaves it only if nothing was skipped: the
     caller reseeds and builds again)."""
     recorder = _Recorder()
-    with torch.device("meta"), _hugging_face_initialises(), recorder:
+    with torch.device("meta"), _hugging_face_initialises(), _init_functions_recorded(recorder), recorder:
         model = build()
     recipes = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -154,7 +237,7 @@ def build_on_meta(build) -> tuple[nn.Module, dict]:
         if not steps:
             raise Unsupported(f"{name} is computed from other tensors (not created new and filled in place)")
         content_free = steps[0][4]
-        if content_free and (len(steps) < 2 or _name(steps[1][0]) not in RANDOM | {"fill_", "zero_"}):
+        if content_free and (len(steps) < 2 or not _fills(steps[1][0])):
             raise Unsupported(f"{name} is created empty and never filled in place")
         recipes[name] = steps
     return model, recipes
@@ -189,6 +272,20 @@ def replay(steps: list) -> torch.Tensor:
         func(value, *rest, **kwargs)
     torch.set_rng_state(saved)
     return value
+
+
+def first_difference(recipes: dict, full: nn.Module) -> str | None:
+    """Where the recording would give other initial values than `full`, a full build from the same seed (the first
+    differing tensor, by name and by how much), or None where every tensor replays bitwise."""
+    expected = {**dict(full.named_parameters()), **dict(full.named_buffers())}
+    for name, steps in recipes.items():
+        value, wanted = replay(steps), expected.get(name)
+        if wanted is None or value.shape != wanted.shape or value.dtype != wanted.dtype:
+            return f"{name} is not built the same way on the meta device"
+        if not torch.equal(value, wanted):
+            gap = (value.double() - wanted.double()).abs().max().item() if value.is_floating_point() else float("nan")
+            return f"{name} would start {gap:.3g} away from a full build's value"
+    return None
 
 
 def tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
