@@ -7,7 +7,9 @@ whose resolved snapshot it is given, so only the loop differs:
 
     torchrun --nproc-per-node 2 benchmarks/raw_gpt.py RUN_DIR/config.yaml --steps 60 --warmup 10
 
-Rank 0 prints one JSON line: tokens/s over the steps after the warm-up.
+On a GPU (the snapshot's trainer.gpus > 0): NCCL, one GPU per process, bf16 autocast where the snapshot's
+trainer.precision says so, `torch.compile` with --compile, as nanoGPT's train.py. Rank 0 prints one JSON line:
+tokens/s over the steps after the warm-up, and on a GPU the peak GPU memory and the MFU (the trainer's own table).
 """
 
 from __future__ import annotations
@@ -35,11 +37,18 @@ def main() -> None:
     parser.add_argument("config", help="a resolved RUN_DIR/config.yaml (launcher.dry_run=true writes one)")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--warmup", type=int, default=1, help="steps before the timed interval (at least 1)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (nanoGPT's default on GPUs)")
     args = parser.parse_args()
     cfg = load_config(args.config)
-    dist.init_process_group("gloo")
+    gpu = cfg.trainer.gpus > 0 and torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    dist.init_process_group("nccl" if gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(cfg.trainer.threads or max(1, os.cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"])))
+    bf16 = gpu and cfg.trainer.precision == "bf16"
 
     data = np.memmap(Path(cfg.data.root) / "train.bin", dtype=np.uint16, mode="r")
     block, batch = cfg.model["block_size"], cfg.data.batch_size
@@ -49,10 +58,12 @@ def main() -> None:
         ix = torch.randint(len(data) - block - 1, (batch,), generator=generator)
         x = torch.stack([torch.from_numpy(data[i : i + block].astype(np.int64)) for i in ix])
         y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block].astype(np.int64)) for i in ix])
-        return x, y
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
     torch.manual_seed(cfg.trainer.seed)
-    model = DistributedDataParallel(build_model(cfg))
+    raw = build_model(cfg).to(device)
+    flops = raw.flops_per_token() if hasattr(raw, "flops_per_token") else 0.0
+    model = DistributedDataParallel(torch.compile(raw) if args.compile else raw, device_ids=[device.index] if gpu else None)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -74,7 +85,8 @@ def main() -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         x, y = get_batch()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip or 1.0)
@@ -88,7 +100,13 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     if rank == 0:
         tokens = (args.steps - args.warmup) * batch * block * world
-        print(json.dumps({"tokens_per_s": tokens / max(elapsed, 1e-9)}), flush=True)
+        figures = {"tokens_per_s": tokens / max(elapsed, 1e-9)}
+        if gpu:
+            from train.observe.throughput import peak_tflops, token_figures
+
+            figures["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+            figures.update(token_figures(figures["tokens_per_s"], world, flops, peak_tflops(device)))
+        print(json.dumps(figures), flush=True)
     dist.destroy_process_group()
 
 

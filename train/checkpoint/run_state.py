@@ -6,6 +6,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from train import dist as distributed
 from train.checkpoint import CheckpointManager, refuse_fresh_start_over
 from train.checkpoint.state import Progress, build_state, own_state, restore_state, sharded_parts
@@ -69,6 +71,10 @@ def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
     # A background save still in flight runs its collectives (the commit's barrier) on the group the gathers below
     # use: two threads' collectives on one group pair up out of order and the ranks hang. It ends first.
     run.ckpt.wait()
+    on_gpu = run.device.type == "cuda"
+    if on_gpu and metrics is not None:  # what the save itself takes on the GPU, beyond what training holds
+        allocated = torch.cuda.memory_allocated(run.device)
+        torch.cuda.reset_peak_memory_stats(run.device)
     own, sharded = own_state(run.batches), run.ckpt.format == "dcp"
     tensors, plain = sharded_parts(run.strategy, run.optimizer, run.ckpt.group) if sharded else (None, None)
     state = build_state(
@@ -78,4 +84,7 @@ def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
     )
     run.ckpt.save(state, step, tensors=tensors, best=is_best, own=own)
     if metrics is not None:  # how long training stood still for this save (with async_save: the staging copy)
-        metrics.log("checkpoint", step, {"stall_s": time.perf_counter() - started, "async": float(run.ckpt.background is not None)})
+        figures = {"stall_s": time.perf_counter() - started, "async": float(run.ckpt.background is not None)}
+        if on_gpu:  # a staging copy on the host (async_save) must not be a second copy on the GPU
+            figures["gpu_extra_mb"] = (torch.cuda.max_memory_allocated(run.device) - allocated) / 2**20
+        metrics.log("checkpoint", step, figures)
