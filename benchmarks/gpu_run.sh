@@ -25,6 +25,7 @@ fi
 
 MODE=()
 [ "${1:-}" = "--cpu" ] && MODE=(--cpu)
+[ -n "${GPU_RUN_ONLY:-}" ] && MODE+=(--only "$GPU_RUN_ONLY")  # a part of the checks (the tests' rehearsal)
 OUT=${OUT:-$REPO/gpu-run-out}
 mkdir -p "$OUT"
 LOG=$OUT/gpu_run.log
@@ -34,7 +35,7 @@ SITE=${GPU_RUN_SITE:-/tmp/gpu-run-site}
   ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels in .whl/: run 'bash benchmarks/gpu_run.sh --fetch' here first, and carry .whl"; exit 3; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 3
   export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-  python3 -c 'import torch, hydra, omegaconf, submitit, torchdata; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())' || exit 3
+  python3 -c 'import torch, hydra, omegaconf, submitit, torchdata; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "hydra from", hydra.__file__)' || exit 3
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   timeout "${GPU_RUN_BUDGET_S:-480}" python3 -m benchmarks.gpu_check "${MODE[@]}" --out "$OUT/gpu_check.json" \
     --budget-s "$(( ${GPU_RUN_BUDGET_S:-480} - 20 ))"

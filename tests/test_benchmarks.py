@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import statistics
 
 from conftest import FAST, REPO, read_metrics, run_cli
@@ -148,3 +149,35 @@ def test_the_scale_rehearsal_in_small_meets_its_targets(tmp_path):
         assert result["resumed_step"] > 0  # the resume found and loaded the stop's checkpoint
         assert result["stop_agreed_s"] <= 0.2 + 2 * 0.5 + 0.5  # stop_check_s, two steps, the save's own slack
     assert "stop agreed after" in proc.stdout
+
+
+def test_the_prepared_gpu_command_installs_its_wheels_apart_and_leaves_its_table_and_log_under_out(tmp_path):
+    """benchmarks/gpu_run.sh as the lent machine runs it, from a copy of the checkout: the wheels that machine lacks
+    are fetched here (--fetch), installed into a folder of their own (never `pip install -e .`), imported from there,
+    and the checks' table and log are written under $OUT. (Rehearsed whole in a venv with torch only: the closing
+    note of issue 44 and benchmarks/README.md.)"""
+    import shutil
+    import subprocess
+
+    copy = tmp_path / "checkout"
+    top = {".venv", ".git", ".whl", "runs", "outputs", "multirun", "data"}  # what a checkout's copy there lacks
+
+    def ignored(folder: str, names: list[str]) -> set[str]:
+        here = {n for n in names if n == "__pycache__" or n.endswith(".egg-info")}
+        return here | (top & set(names) if folder == str(REPO) else set())
+
+    shutil.copytree(REPO, copy, ignore=ignored)
+    (copy / ".git" / "info").mkdir(parents=True)
+    fetched = subprocess.run(["bash", "benchmarks/gpu_run.sh", "--fetch"], cwd=copy, capture_output=True, text=True, timeout=300)
+    assert fetched.returncode == 0, fetched.stderr[-2000:]
+    wheels = sorted(p.name.split("-")[0] for p in (copy / ".whl").glob("*.whl"))
+    assert wheels == ["antlr4_python3_runtime", "hydra_core", "omegaconf", "submitit", "torchdata"]
+    out, site = tmp_path / "out", tmp_path / "site"
+    env = {**os.environ, "OUT": str(out), "GPU_RUN_SITE": str(site), "GPU_RUN_ONLY": "zygote"}
+    proc = subprocess.run(["bash", "benchmarks/gpu_run.sh", "--cpu"], cwd=copy, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert f"hydra from {site}" in proc.stdout  # the carried wheel, not this environment's hydra
+    table = json.loads((out / "gpu_check.json").read_text())
+    assert [(r["check"], r["ok"]) for r in table["checks"]] == [("ranks forked from the zygote", True)]
+    assert "PASS  ranks forked from the zygote" in (out / "gpu_run.log").read_text()

@@ -192,6 +192,7 @@ class ModelLoss(Task):
         super().__init__()
         self.labels_key, self.ignore_index, self.shift_labels = labels_key, ignore_index, shift_labels
         self.perplexity, self.accuracy = perplexity, accuracy
+        self.per_sample = False  # the model's loss is a mean over samples whatever its labels (follow: a CTC model)
         if accuracy:
             self.main_metric, self.mode = "acc", "max"
 
@@ -199,9 +200,15 @@ class ModelLoss(Task):
         """Settle `shift_labels` from the model where the config leaves it null; returns the choice in one line."""
         if self.shift_labels is not None:
             return f"task.shift_labels={str(self.shift_labels).lower()} (set in the config)"
+        name = type(model).__name__
+        if getattr(getattr(model, "config", None), "ctc_loss_reduction", None) == "mean":
+            # torch's CTC "mean": each sample's loss over its own label length, then a mean over the samples
+            self.per_sample = True
+            self.shift_labels = False
+            return (f"task=model_loss: {name}'s CTC loss is a mean over samples (ctc_loss_reduction=mean): batches "
+                    f"weigh by their samples, labels are not shifted")
         causal = predicts_next_token(model)
         self.shift_labels = bool(causal)
-        name = type(model).__name__
         if causal:
             return f"task.shift_labels=true: {name} is a causal LM (it predicts labels[:, 1:])"
         kind = "is not a causal LM" if causal is False else "is not a Hugging Face model: not known to shift"
@@ -237,7 +244,7 @@ class ModelLoss(Task):
         return labels[..., 1:] if self.shift_labels and labels.dim() > 1 else labels
 
     def count(self, batch) -> torch.Tensor:
-        labels = self._counted_labels(batch)
+        labels = None if self.per_sample else self._counted_labels(batch)
         return samples_of(batch) if labels is None else (labels != self.ignore_index).sum()
 
     def loss_sum(self, output, batch) -> torch.Tensor:

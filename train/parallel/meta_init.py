@@ -57,7 +57,7 @@ def _name(func) -> str:
 
 def _fills(func) -> bool:
     """Whether a recorded step gives every element a value (a random draw, a fill, a torch.nn.init function)."""
-    return isinstance(func, _InitUnit) or _name(func) in RANDOM | {"fill_", "zero_"}
+    return func.fills if isinstance(func, (_Step, _Viewed)) else _name(func) in RANDOM | {"fill_", "zero_"}
 
 
 SHADOW_NUMEL = 1 << 20  # small tensors computed at construction (a rotary table) are also computed on the CPU
@@ -72,6 +72,8 @@ class _Recorder(TorchDispatchMode):
         # id(meta tensor) -> its value on the CPU, for small tensors made without randomness from constants: what a
         # buffer computed at construction holds (HF's rotary inv_freq), and what an in-place copy_ reads
         self.shadows: dict[int, torch.Tensor] = {}
+        self.stored: dict[int, tuple] = {}  # storage -> (the shadowed tensor that is all of it, its CPU value)
+        self.geometry: dict[int, tuple] = {}  # storage -> (size, stride, offset) of the tensor created on it
 
     def _shadowed(self, value):
         """`value` with its meta tensors replaced by their CPU shadows; None if one has none."""
@@ -86,6 +88,22 @@ class _Recorder(TorchDispatchMode):
         if isinstance(value, torch.Tensor) and value.numel() <= SHADOW_NUMEL:
             self.shadows[id(out)] = value
             self.keep.append(out)
+            if out.storage_offset() == 0 and out.numel() * out.element_size() == out.untyped_storage().nbytes():
+                # the whole of its storage: what nn.Parameter(out), another tensor object on it, also holds
+                self.stored[_key(out)] = (out, value)
+
+    def view_of(self, tensor: torch.Tensor) -> tuple | None:
+        """(size, stride, offset) of `tensor` where it is not the tensor created on its storage (a row of it, an
+        expanded buffer such as BERT's position_ids): None where it is that tensor (or its storage was not created new)."""
+        created = self.geometry.get(_key(tensor))
+        return None if created is None or _geometry(tensor) == created else _geometry(tensor)
+
+    def constant_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The CPU value of a tensor computed from constants (by itself, or by the tensor its storage is)."""
+        if id(tensor) in self.shadows:
+            return self.shadows[id(tensor)]
+        out, value = self.stored.get(_key(tensor), (None, None))
+        return value if out is not None and self.shadows.get(id(out)) is value and out.shape == tensor.shape else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -103,6 +121,7 @@ class _Recorder(TorchDispatchMode):
             del value
             _release_freed_memory()
             self.recipes[_key(out)] = [(func, args, kwargs, state, name in CONTENT_FREE)]
+            self.geometry[_key(out)] = _geometry(out)
             self.keep.append(out)
         elif name.endswith("_") and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             self._record(func, name, args, kwargs)
@@ -123,16 +142,17 @@ class _Recorder(TorchDispatchMode):
                 del self.shadows[id(target)]
         if key not in self.recipes:
             return  # a temporary of some computation, not a tensor that was created new
-        if target._base is not None or target.storage_offset() != 0:
-            self.problems[key] = f"{name} writes through a view"
-        elif rest is None or kwargs.get("generator") is not None:
+        if rest is None or kwargs.get("generator") is not None:
             self.problems[key] = f"{name} reads another tensor or a private generator"
         state = None
         if name in RANDOM:
             state = torch.get_rng_state()
             func(torch.empty(target.shape, dtype=target.dtype), *args[1:], **kwargs)  # moves the generator on
             _release_freed_memory()
-        self.recipes[key].append((func, tuple(rest) if rest is not None else args[1:], kwargs, state))
+        # Through a view (nn.Embedding's padding row: weight[padding_idx].fill_(0)): replayed on the same view.
+        view = self.view_of(target)
+        step = _Step(func, name, view) if view else func
+        self.recipes[key].append((step, tuple(rest) if rest is not None else args[1:], kwargs, state))
 
 
     def record_unit(self, function, tensor: torch.Tensor, args, kwargs) -> None:
@@ -142,27 +162,47 @@ class _Recorder(TorchDispatchMode):
         key = _key(tensor)
         if kwargs.get("generator") is not None:
             self.problems[key] = f"{function.__name__} draws from a private generator"
-        elif tensor._base is not None or tensor.storage_offset() != 0:
-            self.problems[key] = f"{function.__name__} writes through a view"
+        view = self.view_of(tensor)  # an embedding's padding row, init.zeros_(weight[padding_idx]): replayed on it
+        if key not in self.recipes and view is None and (constant := self.constant_of(tensor)) is not None:
+            # computed from constants at construction, then initialised: replayed from that value
+            self.recipes[key] = [(functools.partial(_constant, constant), (), {}, torch.get_rng_state(), False)]
         state = torch.get_rng_state()
         scratch = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")  # not the meta device of the build
         function(scratch, *args, **kwargs)  # every torch.nn.init function overwrites the whole tensor
-        if id(tensor) in self.shadows:
-            self.shadows[id(tensor)] = scratch if scratch.numel() <= SHADOW_NUMEL else self.shadows.pop(id(tensor))
+        for shadowed in (tensor, tensor._base):
+            if shadowed is not None and id(shadowed) in self.shadows:
+                del self.shadows[id(shadowed)]  # its value is the initialiser's now, replayed from the recipe
         if key in self.recipes:
-            self.recipes[key].append((_InitUnit(function), args, kwargs, state))
+            self.recipes[key].append((_Step(function, function.__name__, view, init=True), args, kwargs, state))
+        else:
+            self.problems[key] = f"{function.__name__} initialises a tensor computed from others"
         del scratch
         _release_freed_memory()
 
 
-class _InitUnit:
-    """A torch.nn.init function as one recorded step (its name for messages and for what counts as filling)."""
+class _Step:
+    """A recorded step that is not one operation on the whole tensor: a torch.nn.init function (`init`), or an
+    operation through a view (size, stride, offset) of it, replayed on the same view of the replayed value."""
 
-    def __init__(self, function):
-        self.function, self.name = function, function.__name__
+    def __init__(self, function, name: str, view: tuple | None = None, init: bool = False):
+        self.function, self.name, self.view = function, name, view
+        self.fills = view is None and (init or name in RANDOM | {"fill_", "zero_"})  # every element given a value
 
     def __call__(self, tensor, *args, **kwargs):
-        return self.function(tensor, *args, **kwargs)
+        return self.function(tensor.as_strided(*self.view) if self.view else tensor, *args, **kwargs)
+
+
+def _geometry(tensor: torch.Tensor) -> tuple:
+    return tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+
+
+class _Viewed:
+    """The last step of a parameter or buffer that is a view of the tensor created on its storage: its values."""
+
+    fills = False
+
+    def __init__(self, geometry: tuple):
+        self.geometry = geometry
 
 
 # Where torch.nn.init's functions are looked up when a model initialises: the module itself (nn.Linear's
@@ -175,36 +215,48 @@ INIT_LOOKUP_MODULES = ("torch.nn.init", "torch.nn.modules.activation", "torch.nn
                        "torch.nn.modules.normalization", "torch.nn.modules.rnn", "torch.nn.modules.sparse")
 
 
+_ACTIVE: list[_Recorder] = []  # the recorder of the meta build under way (builds do not nest across threads)
+
+
+def _unit(function):
+    """`function` (a torch.nn.init one), recording itself whole when given a meta tensor during a meta build. A
+    module that imports a function while a build runs (transformers, imported by a builder) keeps this one: it
+    records into whichever build is under way, and is the function itself otherwise."""
+    @functools.wraps(function)
+    def recorded(tensor, *args, **kwargs):
+        if _ACTIVE and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            _ACTIVE[-1].record_unit(function, tensor, args, kwargs)
+            return tensor
+        return function(tensor, *args, **kwargs)
+    recorded.records_for_meta_init = True
+    return recorded
+
+
+_UNITS: dict[str, object] = {}
+
+
 @contextlib.contextmanager
 def _init_functions_recorded(recorder: _Recorder):
     """Every torch.nn.init function, wherever it is looked up (Hugging Face keeps the originals in a table of its own,
     transformers.initialization.TORCH_INIT_FUNCTIONS), records itself whole when given a meta tensor."""
-    originals = {name: getattr(torch.nn.init, name) for name in INIT_FUNCTIONS}
-
-    def unit(function):
-        @functools.wraps(function)
-        def recorded(tensor, *args, **kwargs):
-            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                recorder.record_unit(function, tensor, args, kwargs)
-                return tensor
-            return function(tensor, *args, **kwargs)
-        return recorded
-
-    units = {name: unit(function) for name, function in originals.items()}
+    if not _UNITS:
+        _UNITS.update({name: _unit(getattr(torch.nn.init, name)) for name in INIT_FUNCTIONS})
+    originals = {name: unit.__wrapped__ for name, unit in _UNITS.items()}
     patched: list[tuple[object, str, object]] = []
-    places = [sys.modules[m] for m in INIT_LOOKUP_MODULES if m in sys.modules]
-    for place in places:
+    for place in [sys.modules[m] for m in INIT_LOOKUP_MODULES if m in sys.modules]:
         for name, function in originals.items():
             if getattr(place, name, None) is function:
                 patched.append((place, name, function))
-                setattr(place, name, units[name])
+                setattr(place, name, _UNITS[name])
     table = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", None)
     table_before = dict(table) if isinstance(table, dict) else None
     if table_before is not None:
-        table.update({name: units[name] for name in table if name in units and table[name] is originals[name]})
+        table.update({name: _UNITS[name] for name in table if name in _UNITS and table[name] is originals[name]})
+    _ACTIVE.append(recorder)
     try:
         yield
     finally:
+        _ACTIVE.pop()
         for place, name, function in patched:
             setattr(place, name, function)
         if table_before is not None:
@@ -223,17 +275,26 @@ def build_on_meta(build) -> tuple[nn.Module, dict]:
     """`build()` on the meta device; returns the model and the recipes of its parameters and buffers by name.
     Raises Unsupported (the generator is then left where a full build leaves it only if nothing was skipped: the
     caller reseeds and builds again)."""
+    state = torch.get_rng_state()
+    transformers_before = "transformers.modeling_utils" in sys.modules
     recorder = _Recorder()
     with torch.device("meta"), _hugging_face_initialises(), _init_functions_recorded(recorder), recorder:
         model = build()
+    if not transformers_before and "transformers.modeling_utils" in sys.modules:
+        # The build imported transformers itself (a builder that imports it inside): its initialisation ran without
+        # the adaptations above. Built again, now that they can be made.
+        torch.set_rng_state(state)
+        return build_on_meta(build)
     recipes = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         key = _key(tensor)
         if key in recorder.problems:
             raise Unsupported(f"{name}: {recorder.problems[key]}")
         steps = recorder.recipes.get(key)
-        if not steps and id(tensor) in recorder.shadows:  # computed from constants: its value is known
-            steps = [(functools.partial(_constant, recorder.shadows[id(tensor)]), (), {}, torch.get_rng_state(), False)]
+        if not steps and (constant := recorder.constant_of(tensor)) is not None:  # computed from constants: known
+            steps = [(functools.partial(_constant, constant), (), {}, torch.get_rng_state(), False)]
+        elif steps and (view := recorder.view_of(tensor)):
+            steps = [*steps, (_Viewed(view), (), {}, None)]
         if not steps:
             raise Unsupported(f"{name} is computed from other tensors (not created new and filled in place)")
         content_free = steps[0][4]
@@ -267,6 +328,9 @@ def replay(steps: list) -> torch.Tensor:
     torch.set_rng_state(state)
     value = create(*args, **{**kwargs, "device": torch.device("cpu")})
     for func, rest, kwargs, state in steps[1:]:
+        if isinstance(func, _Viewed):
+            value = value.as_strided(*func.geometry).clone()
+            continue
         if state is not None:
             torch.set_rng_state(state)
         func(value, *rest, **kwargs)
