@@ -128,6 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"wrote {out} from {source}")
+    if args.step is None and not args.best:
+        try:
+            best = find_checkpoint(args.run_dir, best=True)
+        except ExportError:
+            return 0
+        if best.resolve() != Path(source).resolve():
+            print(f"note: that is the newest checkpoint; the best evaluation's is {best} (--best exports it)")
     return 0
 
 

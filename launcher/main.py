@@ -19,13 +19,19 @@ from omegaconf.errors import InterpolationResolutionError
 from launcher.backend import BACKENDS, Backend, get_backend
 from launcher.forecast import dry_run_forecast
 from launcher.lease import RunDirBusy
+from launcher.rundir import remove_if_made
 from launcher.schema import CONF_DIR
 from launcher.summary import inherited_values, summary
 from launcher.validate import ConfigError, typed_config, validate
 from train.config import CONFIG_FILE, flatten
 from train.files import replace_text
-from train.observe.status import read_status, write_status
+from train.observe.status import read_status
 
+
+
+# The exit code of a launch refused before any process started. It changes nothing in an earlier run's directory (its
+# status.json stays what its run left) and leaves nothing where it made a new one.
+REFUSED = 2
 
 
 def write_snapshot(cfg: DictConfig, run_dir: Path) -> tuple[Path, list[str]]:
@@ -85,10 +91,13 @@ def launch(cfg: DictConfig, run_dir: Path) -> int:
         return 2
     try:
         with backend.hold(cfg, run_dir):  # nothing is written into the directory before it is ours
-            return prepare_and_start(cfg, run_dir, backend)
+            code = prepare_and_start(cfg, run_dir, backend)
     except RunDirBusy as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if code == REFUSED:  # refused before anything started: a directory made for it goes, an earlier run's stays as it was
+        remove_if_made(run_dir)
+    return code
 
 
 def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
@@ -99,15 +108,13 @@ def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
         message = f"{str(error).splitlines()[0]}: an interpolation ${{...}} in the config names a key that is not there; " \
                   f"set that key, or give the value itself"
         print(f"error: {message}", file=sys.stderr)
-        write_status(run_dir, "failed", error=message)
-        return 2
+        return REFUSED
     unset = sorted(OmegaConf.missing_keys(cfg))
     if unset:  # `???` in a config file: a value the user must give
         message = f"the config leaves {', '.join(unset)} unset (??? in its file): give {'them' if len(unset) > 1 else 'it'} " \
                   f"on the command line, e.g. {' '.join(f'{key}=...' for key in unset)}"
         print(f"error: {message}", file=sys.stderr)
-        write_status(run_dir, "failed", error=message)
-        return 2
+        return REFUSED
     # Paths in the snapshot are absolute, so `python -m train RUN_DIR/config.yaml` works from any directory.
     cfg.data.root = str(Path(cfg.data.root).expanduser().resolve())
     # Where the user's own modules come from, for the workers (locally and on SLURM) to import them too.
@@ -118,8 +125,7 @@ def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
         validate(typed, run_dir)
     except ConfigError as error:
         print(f"error: the config has {len(error.problems)} problem(s):\n{error}", file=sys.stderr)
-        write_status(run_dir, "failed", error=str(error).strip())
-        return 2
+        return REFUSED
     snapshot, changed = write_snapshot(cfg, run_dir)
     if not changed and read_status(run_dir).get("status") == "finished":
         print(f"{run_dir}: already finished with this config (status.json); nothing to do")
@@ -130,7 +136,7 @@ def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
         print("\n".join(lines), flush=True)
         if refusal:
             print(f"error: {refusal}", file=sys.stderr)
-            return 2
+            return REFUSED
         print(f"dry run: nothing started. Run one rank by hand with: python -m train {snapshot}")
         return 0
     return backend.start(typed, run_dir, snapshot)

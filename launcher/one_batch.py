@@ -108,6 +108,13 @@ def check_labels(cfg: Config, task, output, train, problems: list[str]) -> None:
         _, labels = task.split(collate([train[i] for i in range(min(len(train), LABELS_READ))]))
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or not labels.numel():
         return
+    if labels.dim() > 1 or bool((labels == -100).any()):  # a token classifier's or a language model's labels
+        problems.append(f"data.train ({cfg.data.train['_target_']}) has per-token labels (shape {list(labels.shape)}"
+                        f"{', -100 on ignored positions' if bool((labels == -100).any()) else ''}), but task=classification "
+                        f"scores one label per sample: use task=model_loss for a model that computes its own loss (a "
+                        f"Hugging Face token classifier; +task.accuracy=true reports per-token accuracy), or "
+                        f"task=language_modeling for (N, T, V) logits.")
+        return
     low, high = int(labels.min()), int(labels.max())
     if low < 0 or high >= width:
         problems.append(f"data.train ({cfg.data.train['_target_']}) has label {high if high >= width else low}, but "

@@ -9,6 +9,7 @@ extending a run with trainer.max_steps=... resumes it.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import sys
 from pathlib import Path
 
@@ -82,13 +83,80 @@ def check_printable(overrides) -> None:
             sys.exit(2)
 
 
+# What marks a directory as a run of this launcher: the lease's lock file, made by every launch before it writes
+# anything else there (launcher/lease.py).
+RUN_MARK = ".launcher.lock"
+# Run directories this launch created (the first ancestor that did not exist, for each): a launch refused before it
+# starts removes what it made there (remove_if_made).
+MADE: dict[str, Path] = {}
+
+
+def check_not_foreign(directory: Path, key: str) -> None:
+    """Exit with a message if `directory` holds files but is not a run directory of this launcher: a run writes
+    config.yaml, plan.json, metrics.jsonl, status.json and checkpoints/ there, over whatever has those names."""
+    if not directory.is_dir() or (directory / RUN_MARK).exists() or _our_snapshot(directory / "config.yaml"):
+        return
+    entries = sorted(p.name for p in directory.iterdir())
+    if not entries:
+        return
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    print(f"error: {key}={directory} holds files that are not a run of this launcher ({shown}): a run writes "
+          f"config.yaml, plan.json, metrics.jsonl, status.json and checkpoints/ there and would replace files of those "
+          f"names. Give a new or empty directory (e.g. {key}={directory / 'run'}), or the directory of an earlier run.",
+          file=sys.stderr)
+    sys.exit(2)
+
+
+def _our_snapshot(path: Path) -> bool:
+    """Whether `path` is a resolved config this launcher wrote (a run directory copied without its lock file)."""
+    try:
+        keys = set(OmegaConf.to_container(OmegaConf.load(path)))
+    except Exception:  # noqa: BLE001 (missing, unreadable, not YAML, not a mapping: not ours)
+        return False
+    return {"model", "data", "task", "trainer", "launcher", "checkpoint", "import_path"} <= keys
+
+
+def note_made(directory: Path) -> None:
+    """Remember the first ancestor of `directory` (itself included) that does not exist yet: what this launch makes."""
+    directory = directory.absolute()
+    first = None
+    for path in [directory, *directory.parents]:
+        if path.exists():
+            break
+        first = path
+    if first is not None:
+        MADE[str(directory)] = first
+
+
+def remove_if_made(run_dir: Path) -> None:
+    """After a launch refused before it started: the run directory it made, and the folders above it that it made,
+    go (with the lock and Hydra's record, all it wrote there); a directory that was there before is left as it was."""
+    run_dir = run_dir.absolute()
+    first = MADE.get(str(run_dir))
+    if first is None or not run_dir.is_dir():
+        return
+    for path in run_dir.iterdir():
+        if path.name.startswith(RUN_MARK) or path.name in (".lease.lock", ".hydra"):  # the locks, Hydra's record
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for path in [run_dir, *run_dir.parents]:
+        try:
+            path.rmdir()  # only if empty: another node's files stay
+        except OSError:
+            return
+        if path == first:
+            return
+
+
 class CheckRunDir(Callback):
     """Runs before Hydra creates the output directory, so a bad one gets our message, not a traceback."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         HydraConfig.instance().set_config(config)  # lets ${hydra:...} in the directory name resolve
         check_printable(config.hydra.overrides.task)
-        check_writable(Path(config.hydra.run.dir), "hydra.run.dir")
+        run_dir = Path(config.hydra.run.dir)
+        check_not_foreign(run_dir, "hydra.run.dir")
+        note_made(run_dir)
+        check_writable(run_dir, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         HydraConfig.instance().set_config(config)

@@ -7,6 +7,7 @@ fixes a bad command in one round instead of watching N ranks crash (or hang) one
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import os
 import signal
@@ -102,6 +103,9 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
     _at_least(problems, "data.eval_batch_size", d.eval_batch_size, 1)
     _at_least(problems, "trainer.accumulate", t.accumulate, 1)
     _at_least(problems, "trainer.epochs", t.epochs, 1)
+    if t.max_steps == 0 or t.max_steps < -1:  # trained every epoch without a word
+        problems.append(f"trainer.max_steps={t.max_steps}: give the optimizer steps to stop after (1 or more), or -1 "
+                        f"(the default) to train all trainer.epochs={t.epochs}.")
     _at_least(problems, "trainer.log_every", t.log_every, 1)
     _at_least(problems, "trainer.eval_every", t.eval_every, 0, "0 evaluates only at the end")
     _at_least(problems, "trainer.eval_every_steps", t.eval_every_steps, 0, "0 evaluates at epoch ends only")
@@ -129,8 +133,8 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
         problems.append(f"trainer.profile_ranks={list(t.profile_ranks)}: {outside} not a rank of the {world_size(cfg.trainer)} "
                         f"processes; name ranks from 0 to {world_size(cfg.trainer) - 1} (-1: the last), or [] for rank 0 "
                         f"and the last.")
-    if o.lr <= 0:
-        problems.append(f"optim.lr={o.lr} must be positive.")
+    if not math.isfinite(o.lr) or o.lr < 0:  # 0 is a run that keeps its initial weights (checking them)
+        problems.append(f"optim.lr={o.lr} must be a finite number, 0 or more (e.g. optim.lr=0.1).")
     _at_least(problems, "optim.reference_batch_size", o.reference_batch_size, 1)
     _at_least(problems, "checkpoint.keep_last", cfg.checkpoint.keep_last, 1)
     _at_least(problems, "checkpoint.io_timeout_s", cfg.checkpoint.io_timeout_s, 0, "0 leaves checkpoint I/O unbounded")

@@ -110,6 +110,15 @@ def test_batch_size_below_one(tmp_path):
     assert "data.batch_size=0 must be at least 1" in problems("data.batch_size=0", run_dir=tmp_path)
 
 
+def test_a_step_limit_of_zero_or_below_minus_one_and_a_nan_lr_are_refused(tmp_path):
+    """trainer.max_steps=0 (or -5) trained every epoch without a word; optim.lr=nan was accepted."""
+    for steps in (0, -5):
+        message = problems(f"trainer.max_steps={steps}", run_dir=tmp_path)
+        assert f"trainer.max_steps={steps}: give the optimizer steps to stop after (1 or more), or -1" in message
+    assert "optim.lr=nan must be a finite number, 0 or more" in problems("optim.lr=nan", run_dir=tmp_path)
+    assert "optim.lr=-0.1 must be a finite number" in problems("optim.lr=-0.1", run_dir=tmp_path)
+
+
 def test_a_profiled_range_must_be_two_steps_in_order(tmp_path):
     assert "trainer.profile=[5, 3] must be [FIRST,LAST] optimizer steps with 1 <= FIRST <= LAST" in \
         problems("trainer.profile=[5,3]", run_dir=tmp_path)

@@ -87,3 +87,36 @@ def test_a_control_character_in_an_override_is_refused_before_a_directory_is_mad
     assert result.returncode == 2
     assert "holds a control character" in result.stderr and "name=" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_directory_of_the_users_own_files_is_refused_before_anything_is_written_in_it(launch, tmp_path):
+    """hydra.run.dir over a project's own config.yaml, plan.json and metrics.jsonl replaced them, exit 0."""
+    mine = tmp_path / "my_project"
+    mine.mkdir()
+    own = {"config.yaml": "my: own config\n", "plan.json": "{\"mine\": 1}\n", "metrics.jsonl": "{\"loss\": 1}\n"}
+    for name, text in own.items():
+        (mine / name).write_text(text)
+    result = launch("trainer.max_steps=2", f"hydra.run.dir={mine}")
+    assert result.returncode == 2 and "plan:" not in result.stdout
+    assert f"hydra.run.dir={mine} holds files that are not a run of this launcher" in result.stderr
+    assert {p.name: p.read_text() for p in mine.iterdir()} == own  # nothing added, nothing replaced
+
+
+def test_a_refused_launch_leaves_an_earlier_run_as_it_was_and_nothing_where_it_made_a_directory(launch, tmp_path):
+    """A finished run, then the same command with a bad value: refused, and status.json still says finished (it said
+    failed, and `jobs status` printed the refusal as the run's failure). A refused launch into a new directory
+    left .hydra/, the lock and a "failed" status behind."""
+    run_dir = tmp_path / "runs" / "done"
+    first = launch("data=synthetic", "model=mlp", "trainer.max_steps=2", "trainer.threads=1", "trainer.procs_per_node=1",
+                   f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    status = (run_dir / "status.json").read_text()
+    assert '"finished"' in status
+    again = launch("data=synthetic", "model=mlp", "trainer.max_steps=2", "trainer.threads=1", "trainer.procs_per_node=1",
+                   "checkpoint.keep_last=0", f"hydra.run.dir={run_dir}")
+    assert again.returncode == 2 and "checkpoint.keep_last" in again.stderr
+    assert (run_dir / "status.json").read_text() == status
+    fresh = tmp_path / "runs" / "new" / "point"
+    refused = launch("trainer.max_steps=2", "checkpoint.keep_last=0", f"hydra.run.dir={fresh}")
+    assert refused.returncode == 2 and "checkpoint.keep_last" in refused.stderr
+    assert not (tmp_path / "runs" / "new").exists()
