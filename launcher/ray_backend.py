@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import sys
 import time
 import uuid
@@ -56,6 +57,18 @@ def bundle(cfg: Config) -> dict[str, float]:
     if cfg.trainer.gpus:
         resources["GPU"] = float(cfg.trainer.gpus)
     return resources
+
+
+# The job's entry, where Ray starts it: in the uploaded working directory, which Ray also puts first on PYTHONPATH.
+# A project's own launcher.py there would be what `python -m launcher.ray_job` runs: the directory is taken off
+# PYTHONPATH (by an interpreter that ignores PYTHONPATH) and -P keeps the current directory off the path.
+_PATH_WITHOUT_HERE = ("import os; here = os.path.realpath(os.getcwd()); print(os.pathsep.join(p for p in "
+                      "os.environ.get('PYTHONPATH', '').split(os.pathsep) if p and os.path.realpath(p) != here))")
+
+
+def entrypoint(snapshot: Path) -> str:
+    return (f'PYTHONPATH="$(python -I -c {shlex.quote(_PATH_WITHOUT_HERE)})" '
+            f"python -u -P -m launcher.ray_job {shlex.quote(str(snapshot))}")
 
 
 def upload_excludes(cfg: Config, run_dir: Path, root: Path) -> list[str]:
@@ -178,7 +191,7 @@ class Ray(SubmittingBackend):
         take_lease(run_dir, lease.renewed())  # before the job can start: it finds its own lease there
         try:
             client(address).submit_job(
-                entrypoint=f"python -u -m launcher.ray_job {snapshot}",
+                entrypoint=entrypoint(snapshot),
                 submission_id=job_id,
                 runtime_env={"working_dir": str(root), "excludes": upload_excludes(cfg, run_dir, root), "env_vars": env},
                 metadata={"run_dir": str(run_dir)},

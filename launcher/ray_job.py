@@ -28,10 +28,19 @@ from launcher.backend import lease_holder_alive
 from launcher.lease import Lease, Renewer, read_lease
 from launcher.ray_backend import bundle
 from launcher.schema import Config
-from train.host import PARENT_ENV
+from train.host import PARENT_ENV, USER_PATH_ENV
 from train.observe.status import read_status, write_status
 
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM
+
+
+def user_path_apart(environ, working_dir: str) -> dict[str, str]:
+    """PYTHONPATH without the job's working directory, which Ray puts first (the uploaded project: its own train.py
+    or launcher.py would replace this package's in every process started with it), and that directory where a rank
+    appends it after this package's (train.host.USER_PATH_ENV): the user's modules still import, and never shadow."""
+    here = os.path.realpath(working_dir)
+    kept = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.realpath(p) != here]
+    return {"PYTHONPATH": os.pathsep.join(kept), USER_PATH_ENV: working_dir}
 
 
 @ray.remote(max_restarts=0)
@@ -50,9 +59,8 @@ class NodeAgent:
             return ray.util.get_node_ip_address(), probe.getsockname()[1]
 
     async def run(self, snapshot: str, endpoint: str, restarts: int) -> int:
-        # The working directory (uploaded with the job: the user's own modules) on the ranks' path, after ours.
-        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), os.getcwd()) if p)
-        env = {**os.environ, "PYTHONPATH": path, PARENT_ENV: str(os.getpid()), "LAUNCHER_RESTARTS": str(restarts)}
+        env = {**os.environ, **user_path_apart(os.environ, os.getcwd()), PARENT_ENV: str(os.getpid()),
+               "LAUNCHER_RESTARTS": str(restarts)}
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-u", "-P", "-m", "launcher.node", snapshot, endpoint, env=env)
         if self.stopping:

@@ -214,6 +214,8 @@ def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
         problems.append(f"trainer.fsdp_replicate={copies} applies to trainer.strategy=fsdp only: leave it out.")
     if t.fsdp_cpu_offload and (t.strategy != "fsdp" or t.gpus == 0):
         problems.append("trainer.fsdp_cpu_offload=true needs trainer.strategy=fsdp on GPUs (trainer.gpus > 0).")
+    if t.strategy == "fsdp" and targets_ok:
+        _check_fsdp_shardable(cfg, problems)
     if t.strategy != "pipeline":
         if t.pp or t.pp_sharded:
             key = f"trainer.pp={t.pp}" if t.pp else "trainer.pp_sharded=true"
@@ -255,6 +257,19 @@ def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
                 f"model._target_={cfg.model['_target_']} declares {len(stages)} block(s): use {len(stages)} stages "
                 f"or fewer (trainer.pp, or fewer processes), or a model with more blocks{hint}."
             )
+
+
+def _check_fsdp_shardable(cfg: Config, problems: list[str]) -> None:
+    """torch's fully_shard refuses a 0-dim parameter (CLIP's logit_scale): said before start, not by every rank."""
+    try:
+        model = _model_on_meta(cfg)
+    except Exception:  # noqa: BLE001 (a model that loads its weights refuses the meta device: judged at start)
+        return
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars:
+        problems.append(f"trainer.strategy=fsdp cannot shard model._target_={cfg.model['_target_']}'s 0-dim "
+                        f"parameter(s) {', '.join(scalars[:3])} (torch's fully_shard refuses scalars): use "
+                        f"trainer.strategy=ddp, or make each a tensor of one element (shape [1]) in the model.")
 
 
 def _check_files(cfg: Config, run_dir: Path, problems: list[str]) -> None:

@@ -161,3 +161,23 @@ def test_trainer_nonfinite_skip_drops_the_step_and_goes_on(poisoned, tmp_path):
     assert final["step"] == 8 and all(torch.isfinite(v).all() for v in final["model"].values())
     skipped = {r["step"]: r["skipped_steps"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"}
     assert skipped[3] == 0 and skipped[4] == 1 and skipped[8] == 1
+
+
+def test_a_replica_groups_logged_loss_is_its_batch_mean_not_divided_by_every_groups_copies(tmp_path):
+    """With replica groups the meter's all-gather covers one group, whose ranks' losses are that group's mean scaled by
+    its own copies; dividing by every group's copies logged 4.74 where ddp logged 6.27 on the same data."""
+    import torch.distributed as dist
+
+    from train.step import Meter
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        meter = Meter(torch.device("cpu"))
+        meter.add(torch.tensor(6.27))  # one rank, one copy in its group: its loss is its batch's mean
+        meter.timed_steps = 1
+        assert meter.reduce(global_batch=16, replicas=2, gathered_replicas=1)["loss"] == pytest.approx(6.27)
+        meter.add(torch.tensor(6.27))
+        meter.timed_steps = 1
+        assert meter.reduce(global_batch=16, replicas=1)["loss"] == pytest.approx(6.27)  # no groups: the job's copies
+    finally:
+        dist.destroy_process_group()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,17 +72,27 @@ def assert_same_weights(a: dict, b: dict, atol: float = 1e-6) -> None:
         assert torch.allclose(a["model"][name], tensor, rtol=0, atol=atol), name
 
 
+SHADOW = "import sys\nprint('the project\\'s own {name} ran', file=sys.stderr)\nsys.exit(3)\n"
+
+
 def test_a_two_node_run_through_ray_equals_the_same_world_run_locally(cluster, tmp_path, two_process_ddp):
+    """Launched from a project with its own train.py and launcher.py (uploaded with the job, first on Ray's
+    PYTHONPATH): our trainer runs, theirs never does (they replaced ours: the job failed three times)."""
+    for name in ("train.py", "launcher.py"):
+        (tmp_path / name).write_text(SHADOW.format(name=name))
     run_dir = tmp_path / "run"
-    proc = launch(tmp_path, *JOB, "launcher.wait=true", f"hydra.run.dir={run_dir}")
-    assert proc.returncode == 0
+    ddp_launch = Path(sys.executable).parent / "ddp-launch"  # python -m launcher here would run their launcher.py
+    proc = subprocess.run([str(ddp_launch), *JOB, "launcher.wait=true", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ADDRESS})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (job_id,) = submitted(proc.stdout)
     assert f"Ray job {job_id} ended: SUCCEEDED; the run is finished" in proc.stdout
     assert_same_weights(final_checkpoint(run_dir), final_checkpoint(two_process_ddp))
-    status = jobs("status", str(run_dir), cwd=tmp_path)
+    status = jobs("status", str(run_dir), cwd=REPO)  # not beside their launcher.py
     assert "run: free (no lease)" in status.stdout and f"{job_id}  SUCCEEDED" in status.stdout
-    logs = jobs("logs", str(run_dir), "--lines", "200", cwd=tmp_path)
+    logs = jobs("logs", str(run_dir), "--lines", "200", cwd=REPO)  # not beside their launcher.py
     assert "attempt 0: every node finished" in logs.stdout and "rendezvous at 127.0.0." in logs.stdout
+    assert "the project's own" not in logs.stdout
 
 
 def test_a_ray_job_holds_its_directory_and_a_cancel_stops_it_with_a_checkpoint(cluster, tmp_path):

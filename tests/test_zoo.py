@@ -147,10 +147,23 @@ def test_two_processes_reach_the_weights_of_one_with_the_global_batch(name, tmp_
     assert relative_gap(one, two) < 1e-5
 
 
+def test_a_model_with_a_scalar_parameter_is_refused_under_fsdp_before_start(tmp_path):
+    """CLIP's logit_scale is 0-dim, which torch's fully_shard refuses: every rank failed at start."""
+    proc = zoo_run(tmp_path / "run", "clip_contrastive", "trainer.strategy=fsdp")
+    assert proc.returncode == 2 and "plan:" not in proc.stdout
+    assert "trainer.strategy=fsdp cannot shard model._target_=zoo.build's 0-dim parameter(s) logit_scale" in proc.stderr
+
+
+# Rows that fsdp cannot shard (said before start: the test above), launched under ddp only.
+NOT_UNDER_FSDP = {"clip_contrastive"}
+
+
 @pytest.mark.skipif(not os.environ.get("ZOO_LAUNCH_ALL"), reason="the whole table: ZOO_LAUNCH_ALL=1 (minutes)")
 @pytest.mark.parametrize("name", ROWS)
 def test_every_row_launched_fsdp_equals_ddp_and_two_processes_equal_one(name, tmp_path):
     runs = {"ddp 1x16": ([], 1, 16), "ddp 2x8": ([], 2, 8), "fsdp 2x8": (["trainer.strategy=fsdp"], 2, 8)}
+    if name in NOT_UNDER_FSDP:
+        del runs["fsdp 2x8"]
     for run, (overrides, world, batch) in runs.items():
         proc = zoo_run(tmp_path / run.replace(" ", "-"), name, *overrides, world=world, batch=batch, steps=8)
         assert proc.returncode == 0, f"{run}: {proc.stderr[-3000:]}"
@@ -164,7 +177,8 @@ def test_every_row_launched_fsdp_equals_ddp_and_two_processes_equal_one(name, tm
         with open(os.environ["ZOO_TABLE"], "a") as table:
             table.write(line + "\n")
     if ROWS[name].not_split_invariant:
-        assert relative_gap(weights["ddp 2x8"], weights["fsdp 2x8"]) < 1e-5
+        if "fsdp 2x8" in weights:
+            assert relative_gap(weights["ddp 2x8"], weights["fsdp 2x8"]) < 1e-5
     else:
         assert max(gaps.values()) < 1e-5, gaps
     evals = [r for r in read_metrics(tmp_path / "ddp-2x8") if r["kind"] == "eval"]

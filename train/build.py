@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 
 import torch
@@ -13,6 +14,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from train.config import OptimConfig, TrainConfig
+from train.host import USER_PATH_ENV
 
 log = logging.getLogger("train")
 
@@ -21,7 +23,8 @@ def add_import_path(cfg: TrainConfig) -> None:
     """Make the user's modules importable, after this package's own. `train` is already imported here (the worker
     started with python -P, without the working directory on the path), so a project's train.py cannot replace it,
     however this package is installed."""
-    for path in cfg.import_path:
+    from_env = [p for p in os.environ.get(USER_PATH_ENV, "").split(os.pathsep) if p]
+    for path in [*cfg.import_path, *from_env]:
         if path not in sys.path:
             sys.path.append(path)
 

@@ -55,6 +55,10 @@ RANK_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, si
 # Set by the local launcher to its pid: the workers die with it. Its run directory's lease ends with it, and a
 # new launch may take the directory over; workers left running would be a second writer.
 PARENT_ENV = "TRAIN_DIE_WITH_PARENT"
+# Folders of the user's own modules that a rank appends to its path, after this package's (train.build.add_import_path):
+# where a cluster engine put the user's project on PYTHONPATH ahead of the installed packages (Ray's working_dir), so
+# that a project's own train.py or launcher.py would have replaced ours.
+USER_PATH_ENV = "TRAIN_USER_PATH"
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 
