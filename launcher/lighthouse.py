@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -93,7 +94,7 @@ def start_lighthouse(cfg: Config, bind: str, advertise: str = "127.0.0.1") -> tu
                 [_lighthouse_binary(), "--min_replicas", str(cfg.trainer.min_replicas),
                  "--bind", f"{bind}:{port}", "--join_timeout_ms", "10000", "--quorum_tick_ms", "50",
                  "--heartbeat_timeout_ms", "2000"],
-                env={"RUST_LOG": "warn", **os.environ}, stdout=subprocess.DEVNULL, preexec_fn=die_with_launcher)
+                env={"RUST_LOG": "warn", **os.environ}, stdout=subprocess.DEVNULL, preexec_fn=serve_until_ended)
         except FileNotFoundError:
             raise RuntimeError(f"torchft's Lighthouse (torchft_lighthouse) is not installed on {socket.gethostname()}: "
                                f"install torchft==0.2.0 (the project's [ft] extra) in the environment every node "
@@ -112,6 +113,16 @@ def start_lighthouse(cfg: Config, bind: str, advertise: str = "127.0.0.1") -> tu
 def _listens(port: int) -> bool:
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def serve_until_ended() -> None:
+    """The Lighthouse's preexec_fn: deaf to the stop signals (a terminal's Ctrl-C reaches its whole process group,
+    SLURM signals every process of a step), which the groups need it for, to agree on their last step and save it.
+    They are blocked, not ignored: a blocked signal stays blocked across exec, and the Lighthouse's runtime installs
+    handlers of its own over ignored ones. It is killed by the launcher after every group has ended, or when the
+    launcher dies."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
+    die_with_launcher()
 
 
 def die_with_launcher() -> None:

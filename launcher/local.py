@@ -31,6 +31,7 @@ from launcher.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.lighthouse import LIGHTHOUSE_ENV, die_with_launcher, meeting_place
 from launcher.network import check_network, hosts_rendezvous, port_in_use
 from launcher.schema import Config
+from launcher.script import script_command, script_env
 from train.dist import available_cores
 from train.host import PARENT_ENV
 from train import zygote
@@ -77,6 +78,10 @@ def launch_local(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfi
     os.environ[PARENT_ENV] = str(os.getpid())
     # -P: not the working directory first on the path (a user's train.py there is not our `train`); the user's
     # modules come from the snapshot's import_path, after ours.
+    if cfg.program.name == "script":  # the user's own loop, from the launch directory, as torchrun runs it
+        os.environ.update(script_env(cfg, run_dir))
+        run_agent(config or launch_config(cfg, run_dir), sys.executable, script_command(cfg))
+        return
     with zygote.preloaded(snapshot) if cfg.launcher.preload_ranks else contextlib.nullcontext():
         run_agent(config or launch_config(cfg, run_dir), sys.executable, ["-u", "-P", "-m", "train", str(snapshot)])
 
@@ -114,7 +119,11 @@ def _check_endpoint(cfg: Config, problems: list[str]) -> None:
 
 
 def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig | None = None) -> int:
-    """This node's workers to their end under one elastic agent; the exit code of the launch."""
+    """This node's workers to their end under one elastic agent; the exit code of the launch. The trainer writes
+    its own status; a script's is written here (it knows nothing of status.json)."""
+    script = cfg.program.name == "script"
+    if script:
+        write_status(run_dir, "running")
     try:
         launch_local(cfg, run_dir, snapshot, config)
     except ChildFailedError as error:
@@ -131,7 +140,11 @@ def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig
         else:
             print(f"stopped by {error.sigval.name}; the workers were stopped. Run the same command again to resume "
                   f"from the last checkpoint in {run_dir}.", file=sys.stderr)
+            if script:
+                write_status(run_dir, "stopped")
         sys.exit(128 + error.sigval.value)  # a signal stops a whole sweep too
+    if script:
+        write_status(run_dir, "finished")
     return 0
 
 
@@ -150,8 +163,12 @@ def launch_replica_groups(cfg: Config, snapshot: Path) -> int:
                 # under Ray, the node's actor; the agent then took itself for orphaned and ended at once, silently)
                 env = {"RUST_LOG": "warn", **os.environ, REPLICA_GROUP_ENV: str(group), PARENT_ENV: str(os.getpid()),
                        LIGHTHOUSE_ENV: meeting.lighthouse, START_STORE_ENV: meeting.store}
+                # Its own session: a terminal's Ctrl-C (to the foreground process group) reaches this launcher only,
+                # which passes it on once; twice, the agent would take the second for "stop at once" and kill the
+                # ranks mid-save.
                 groups.append(subprocess.Popen([sys.executable, "-u", "-P", "-m", "launcher.replicas", str(snapshot),
-                                                str(group)], env=env, preexec_fn=die_with_launcher))
+                                                str(group)], env=env, preexec_fn=die_with_launcher,
+                                               start_new_session=True))
             stop = _forward_stops(groups)
             codes = [group.wait() for group in groups]
             stop()
@@ -167,7 +184,12 @@ def launch_replica_groups(cfg: Config, snapshot: Path) -> int:
 
 
 def _forward_stops(groups: list[subprocess.Popen]):
-    """SIGTERM and SIGINT go to every group's agent (each stops its ranks, which save); the old handlers after."""
+    """SIGTERM and SIGINT go to every group's agent (each stops its ranks, which save); the old handlers after.
+    Not within a SLURM step, whose signals (scancel, the warning before the time limit) reach every process of the
+    step, the agents included: passed on, each would get it twice."""
+    if os.environ.get("SLURM_STEP_ID"):
+        return lambda: None
+
     def forward(signum, frame):
         for group in groups:
             if group.poll() is None:

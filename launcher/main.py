@@ -21,6 +21,7 @@ from launcher.forecast import dry_run_forecast
 from launcher.lease import RunDirBusy
 from launcher.rundir import remove_if_made
 from launcher.schema import CONF_DIR
+from launcher.script import script_command, script_summary
 from launcher.summary import inherited_values, summary
 from launcher.validate import ConfigError, typed_config, validate
 from train.config import CONFIG_FILE, flatten
@@ -130,6 +131,12 @@ def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
     if not changed and read_status(run_dir).get("status") == "finished":
         print(f"{run_dir}: already finished with this config (status.json); nothing to do")
         return 0
+    if typed.program.name == "script":
+        print(script_summary(typed, run_dir), flush=True)
+        if typed.launcher.dry_run:
+            print(f"dry run: nothing started. Each rank would run: {' '.join(script_command(typed))}")
+            return 0
+        return backend.start(typed, run_dir, snapshot)
     print(summary(typed, run_dir, changed, users_experiment_inherits(cfg)), flush=True)
     if typed.launcher.dry_run:
         lines, refusal = dry_run_forecast(typed, snapshot)

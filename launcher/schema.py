@@ -48,8 +48,17 @@ class LauncherConfig:
 
 
 @dataclass
+class ProgramConfig:
+    name: str = "trainer"  # trainer: this package's trainer | script: your own training script (conf/program/)
+    script: str = ""  # program=script: the Python file every rank runs (relative to the launch directory)
+    module: str = ""  # program=script: or a module, run as python -m MODULE
+    args: list[str] = field(default_factory=list)  # program=script: its command-line arguments
+
+
+@dataclass
 class Config(TrainConfig):
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    program: ProgramConfig = field(default_factory=ProgramConfig)
 
 
 def register_configs() -> None:

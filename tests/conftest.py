@@ -185,16 +185,17 @@ def kill_leftovers(proc: subprocess.Popen, run_dir) -> None:
 
 
 def signalled_launch(overrides: list[str], run_dir, cwd, sig: int = signal.SIGTERM, after_step: int = 3,
-                     env: dict | None = None) -> tuple[subprocess.Popen, str, str]:
+                     env: dict | None = None, terminal: bool = False) -> tuple[subprocess.Popen, str, str]:
     """`python -m launcher OVERRIDES hydra.run.dir=RUN_DIR`, sent `sig` once it has logged a step past
-    `after_step`; the ended process, its stdout and its stderr."""
+    `after_step`; the ended process, its stdout and its stderr. `terminal`: as a terminal sends Ctrl-C, to the whole
+    foreground process group (the launcher leads one of its own here), not to the launcher alone."""
     command = [sys.executable, "-m", "launcher", *overrides, f"hydra.run.dir={run_dir}"]
     with subprocess.Popen(command, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:
+                          stderr=subprocess.PIPE, text=True, start_new_session=terminal) as proc:
         try:
             wait_for(lambda: any(s >= after_step for s in logged_steps(run_dir)), timeout=120,
                      what="the first logged steps")
-            proc.send_signal(sig)
+            os.killpg(proc.pid, sig) if terminal else proc.send_signal(sig)
             out, err = proc.communicate(timeout=120)
         finally:
             kill_leftovers(proc, run_dir)

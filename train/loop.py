@@ -187,7 +187,9 @@ def fit(run: Run) -> Outcome:
             break
 
     run.finite.check()
-    if (identical := run.replicas.identical(run.strategy.model)) is not None and env.rank == 0:
+    # The groups' weights are compared at the run's end only: a stop is agreed within each group, at the step it reaches
+    # (the groups are a step or so apart), and a check there would pair one group's comparison with another's gradients.
+    if not stopped and (identical := run.replicas.identical(run.strategy.model)) is not None and env.rank == 0:
         print(f"replica group {replica_group()}: weights {'identical to' if identical else 'DIFFERENT from'} the other "
               f"groups' at step {progress.step} ({run.replicas.participants} taking part)", flush=True)
     run.replicas.close()

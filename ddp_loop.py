@@ -1,0 +1,124 @@
+"""What a training script of your own can ask the launcher for (program=script; docs/your-loop.md). Optional and
+light (the standard library only, and torch where it is already imported): the same script runs under plain
+torchrun, where these answer as torchrun's world does (no run directory: ./checkpoints; stop requests still seen).
+
+    import ddp_loop
+    ckpt = ddp_loop.checkpoint_dir() / "last.pt"           # in the run directory the launcher holds
+    for step in range(start, steps):
+        ...
+        ddp_loop.report(step, loss=loss.item())           # metrics.jsonl, the console line
+        if ddp_loop.should_stop():                         # SIGTERM, Ctrl-C, SLURM's warning: every rank agrees
+            save(ckpt); break                              # exit 0: the launcher marks the run stopped
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+_asked: list[str] = []  # the stop signals received
+_installed = False
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR2")  # SIGUSR2: SLURM's warning before the time limit (launcher.signal)
+
+
+def run_dir() -> Path | None:
+    """The run directory the launcher holds for this run, or None under plain torchrun."""
+    value = os.environ.get("LAUNCHER_RUN_DIR")
+    return Path(value) if value else None
+
+
+def checkpoint_dir() -> Path:
+    """Where to write checkpoints: RUN_DIR/checkpoints (./checkpoints under plain torchrun); made if missing."""
+    folder = (run_dir() or Path.cwd()) / "checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def device() -> str:
+    """This rank's device: cuda:LOCAL_RANK where the run has GPUs, else cpu."""
+    kind = os.environ.get("LAUNCHER_DEVICE") or ("cuda" if _cuda() else "cpu")
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if kind == "cuda" else "cpu"
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def restarts() -> int:
+    """How often the launcher has restarted the ranks (a failure, launcher.max_restarts): resume if above 0."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _on_stop(signum, frame) -> None:
+    _asked.append(signal.Signals(signum).name)
+
+
+def _install() -> None:
+    global _installed
+    if not _installed:
+        for name in STOP_SIGNALS:
+            signal.signal(getattr(signal, name), _on_stop)
+        _installed = True
+
+
+if __name__ != "__main__":
+    _install()  # at import: a signal before the first should_stop() is not lost
+
+
+def should_stop() -> bool:
+    """Whether a stop was asked, agreed by every rank (one small all-reduce when torch.distributed is initialised):
+    call it at the same step on every rank, save, and return from your loop."""
+    asked = bool(_asked)
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return asked
+    import torch
+
+    flag = torch.tensor([1.0 if asked else 0.0],
+                        device=device() if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def report(step: int, **metrics: float) -> None:
+    """Rank 0: a line of metrics.jsonl in the run directory (kind "train") and a console line; other ranks: nothing."""
+    if rank() != 0:
+        return
+    values = {k: float(v) for k, v in metrics.items()}
+    print(f"step {step}  " + "  ".join(f"{k} {v:.4g}" for k, v in values.items()), flush=True)
+    folder = run_dir()
+    if folder is not None:
+        with open(folder / "metrics.jsonl", "a") as out:
+            out.write(json.dumps({"kind": "train", "step": step, "time": time.time(), **values}) + "\n")
+
+
+def _cuda() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available())
+
+
+def _run(argv: list[str]) -> None:
+    """`python -P -m ddp_loop SCRIPT ARGS` (or `-m MODULE ARGS`): how the launcher starts each rank of a script. The
+    script runs as `python SCRIPT ARGS` would run it (its folder first on the path; a module: the launch directory),
+    under torch elastic's @record, so that a failing rank's own traceback reaches the launcher's report and
+    status.json, not torch's placeholder. Nothing else changes: its signals stay its own."""
+    import runpy
+
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    if argv[:1] == ["-m"]:
+        module, sys.argv = argv[1], [argv[1], *argv[2:]]
+        sys.path.insert(0, os.getcwd())
+        record(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))()
+    else:
+        script, sys.argv = argv[0], list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        record(lambda: runpy.run_path(script, run_name="__main__"))()
+
+
+if __name__ == "__main__":
+    _run(sys.argv[1:])

@@ -1,0 +1,76 @@
+"""program=script: a researcher's own torchrun-style loop (tests/foreign/own_loop), launched unchanged with the
+launcher's guarantees: the env:// world, its own arguments, status.json, the failing rank's own traceback, a stop
+passed on (with the optional ddp_loop API: a checkpoint at a step boundary, exit 0 of the ranks, a resume), and bad
+input refused before start."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+
+import torch
+
+from conftest import REPO, run_cli, signalled_launch
+
+OWN = REPO / "tests" / "foreign" / "own_loop"
+
+
+def project(tmp_path):
+    """The user's project: their script beside their own train.py and launcher.py (which must not be run)."""
+    for name in ("my_loop.py", "api_loop.py"):
+        shutil.copy(OWN / name, tmp_path / name)
+    for name in ("train.py", "models.py"):
+        (tmp_path / name).write_text("raise SystemExit('the project\\'s own module was imported')\n")
+    return tmp_path
+
+
+def test_an_unchanged_torchrun_script_runs_on_two_processes_with_its_own_arguments(tmp_path):
+    here = project(tmp_path)
+    run_dir = here / "runs" / "mine"
+    proc = run_cli("launcher", "program=script", "program.script=my_loop.py",
+                   "program.args=[--epochs,2,--out,mine.pt,--lr,0.05]", "trainer.procs_per_node=2",
+                   f"hydra.run.dir={run_dir}", cwd=here)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "epoch 1 loss" in proc.stdout and "world 2 local_rank 0" in proc.stdout
+    assert f"program   python -u {here / 'my_loop.py'} --epochs 2 --out mine.pt --lr 0.05" in proc.stdout
+    assert set(torch.load(here / "mine.pt", weights_only=True)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+    assert (run_dir / "config.yaml").is_file()  # the resolved config, as for the trainer
+
+
+def test_a_crashing_script_reports_its_own_traceback_and_the_run_is_marked_failed(tmp_path):
+    here = project(tmp_path)
+    run_dir = here / "runs" / "crash"
+    proc = run_cli("launcher", "program=script", "program.script=my_loop.py", "program.args=[--crash-at-epoch,1]",
+                   "trainer.procs_per_node=2", f"hydra.run.dir={run_dir}", cwd=here)
+    assert proc.returncode == 1
+    assert "rank 1 failed" in proc.stderr and "ValueError: my loop broke at epoch 1 on rank 1" in proc.stderr
+    assert "my_loop.py" in proc.stderr  # its frames, not torch's placeholder
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and "my loop broke at epoch 1" in status["error"]
+
+
+def test_a_script_using_the_api_stops_on_sigterm_with_its_checkpoint_and_resumes(tmp_path):
+    here = project(tmp_path)
+    run_dir = here / "runs" / "api"
+    run = ["program=script", "program.script=api_loop.py", "program.args=[--steps,400,--step-delay-ms,30]",
+           "trainer.procs_per_node=2"]
+    proc, out, err = signalled_launch(run, run_dir, here, sig=signal.SIGTERM, after_step=5)
+    assert proc.returncode == 143, err[-3000:]
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert 5 <= saved["step"] < 400 and f"saved step {saved['step']}" in out
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "stopped"
+    resumed = run_cli("launcher", *run[:2], "program.args=[--steps,40]", *run[3:], f"hydra.run.dir={run_dir}", cwd=here)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed at step {saved['step']}" in resumed.stdout
+
+
+def test_a_missing_script_or_both_a_script_and_a_module_are_refused_before_start(tmp_path):
+    here = project(tmp_path)
+    missing = run_cli("launcher", "program=script", "program.script=nope.py", f"hydra.run.dir={here / 'r1'}", cwd=here)
+    assert missing.returncode == 2 and "program.script=nope.py: no such file" in missing.stderr
+    both = run_cli("launcher", "program=script", "program.script=my_loop.py", "program.module=my_loop",
+                   f"hydra.run.dir={here / 'r2'}", cwd=here)
+    assert both.returncode == 2 and "give program.script=my_loop.py or program.module=package.module" in both.stderr
+    assert not (here / "r1").exists() and not (here / "r2").exists()  # a refusal leaves nothing behind
