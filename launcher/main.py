@@ -26,13 +26,18 @@ from launcher.summary import inherited_values, summary
 from launcher.validate import ConfigError, typed_config, validate
 from train.config import CONFIG_FILE, flatten
 from train.files import replace_text
-from train.observe.status import read_status
+from train.observe.status import read_status, write_status
 
 
 
 # The exit code of a launch refused before any process started. It changes nothing in an earlier run's directory (its
-# status.json stays what its run left) and leaves nothing where it made a new one.
+# status.json stays what its run left) and leaves nothing where it made a new one, but for a sweep's point: its
+# directory stays, "failed" with the reason, for the sweep's summary.
 REFUSED = 2
+
+
+class Refused(Exception):
+    """The launch is refused before anything started; the message says why and what to do."""
 
 
 def write_snapshot(cfg: DictConfig, run_dir: Path) -> tuple[Path, list[str]]:
@@ -92,13 +97,19 @@ def launch(cfg: DictConfig, run_dir: Path) -> int:
         return 2
     try:
         with backend.hold(cfg, run_dir):  # nothing is written into the directory before it is ours
-            code = prepare_and_start(cfg, run_dir, backend)
+            try:
+                return prepare_and_start(cfg, run_dir, backend)
+            except Refused as refusal:
+                print(f"error: {refusal}", file=sys.stderr)
+                sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+                if sweep and not read_status(run_dir):  # a point of this sweep, not an earlier run's directory
+                    write_status(run_dir, "failed", error=str(refusal).strip())  # the sweep's summary reads it
+                    return REFUSED
     except RunDirBusy as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if code == REFUSED:  # refused before anything started: a directory made for it goes, an earlier run's stays as it was
-        remove_if_made(run_dir)
-    return code
+    remove_if_made(run_dir)  # refused: a directory made for it goes, an earlier run's stays as it was
+    return REFUSED
 
 
 def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
@@ -108,14 +119,12 @@ def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
     except InterpolationResolutionError as error:  # ${a.key} that names nothing: a message, not a traceback
         message = f"{str(error).splitlines()[0]}: an interpolation ${{...}} in the config names a key that is not there; " \
                   f"set that key, or give the value itself"
-        print(f"error: {message}", file=sys.stderr)
-        return REFUSED
+        raise Refused(message)
     unset = sorted(OmegaConf.missing_keys(cfg))
     if unset:  # `???` in a config file: a value the user must give
         message = f"the config leaves {', '.join(unset)} unset (??? in its file): give {'them' if len(unset) > 1 else 'it'} " \
                   f"on the command line, e.g. {' '.join(f'{key}=...' for key in unset)}"
-        print(f"error: {message}", file=sys.stderr)
-        return REFUSED
+        raise Refused(message)
     # Paths in the snapshot are absolute, so `python -m train RUN_DIR/config.yaml` works from any directory.
     cfg.data.root = str(Path(cfg.data.root).expanduser().resolve())
     # Where the user's own modules come from, for the workers (locally and on SLURM) to import them too.
@@ -125,8 +134,7 @@ def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
         typed = typed_config(cfg)
         validate(typed, run_dir)
     except ConfigError as error:
-        print(f"error: the config has {len(error.problems)} problem(s):\n{error}", file=sys.stderr)
-        return REFUSED
+        raise Refused(f"the config has {len(error.problems)} problem(s):\n{error}") from None
     snapshot, changed = write_snapshot(cfg, run_dir)
     if not changed and read_status(run_dir).get("status") == "finished":
         print(f"{run_dir}: already finished with this config (status.json); nothing to do")
@@ -142,8 +150,7 @@ def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
         lines, refusal = dry_run_forecast(typed, snapshot)
         print("\n".join(lines), flush=True)
         if refusal:
-            print(f"error: {refusal}", file=sys.stderr)
-            return REFUSED
+            raise Refused(refusal)
         print(f"dry run: nothing started. Run one rank by hand with: python -m train {snapshot}")
         return 0
     return backend.start(typed, run_dir, snapshot)

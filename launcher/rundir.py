@@ -86,6 +86,7 @@ def check_printable(overrides) -> None:
 # What marks a directory as a run of this launcher: the lease's lock file, made by every launch before it writes
 # anything else there (launcher/lease.py).
 RUN_MARK = ".launcher.lock"
+RUN_MARKS = (RUN_MARK, "lease.json")  # the lease itself: a run held (or left) by a launch elsewhere
 # Run directories this launch created (the first ancestor that did not exist, for each): a launch refused before it
 # starts removes what it made there (remove_if_made).
 MADE: dict[str, Path] = {}
@@ -94,10 +95,11 @@ MADE: dict[str, Path] = {}
 def check_not_foreign(directory: Path, key: str) -> None:
     """Exit with a message if `directory` holds files but is not a run directory of this launcher: a run writes
     config.yaml, plan.json, metrics.jsonl, status.json and checkpoints/ there, over whatever has those names."""
-    if not directory.is_dir() or (directory / RUN_MARK).exists() or _our_snapshot(directory / "config.yaml"):
+    if not directory.is_dir() or any((directory / mark).exists() for mark in RUN_MARKS) \
+            or _our_snapshot(directory / "config.yaml"):
         return
     entries = sorted(p.name for p in directory.iterdir())
-    if not entries:
+    if not entries or entries == ["checkpoints"]:  # empty, or made for a run: its checkpoints linked elsewhere
         return
     shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
     print(f"error: {key}={directory} holds files that are not a run of this launcher ({shown}): a run writes "

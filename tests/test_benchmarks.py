@@ -7,6 +7,8 @@ import csv
 import json
 import os
 import statistics
+import sys
+from pathlib import Path
 
 from conftest import FAST, REPO, read_metrics, run_cli
 
@@ -173,7 +175,8 @@ def test_the_prepared_gpu_command_installs_its_wheels_apart_and_leaves_its_table
     wheels = sorted(p.name.split("-")[0] for p in (copy / ".whl").glob("*.whl"))
     assert wheels == ["antlr4_python3_runtime", "hydra_core", "omegaconf", "submitit", "torchdata"]
     out, site = tmp_path / "out", tmp_path / "site"
-    env = {**os.environ, "OUT": str(out), "GPU_RUN_SITE": str(site), "GPU_RUN_ONLY": "zygote"}
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # python3: this one
+    env = {**os.environ, "OUT": str(out), "GPU_RUN_SITE": str(site), "GPU_RUN_ONLY": "zygote", "PATH": path}
     proc = subprocess.run(["bash", "benchmarks/gpu_run.sh", "--cpu"], cwd=copy, capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

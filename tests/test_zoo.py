@@ -184,6 +184,36 @@ def test_every_row_launched_fsdp_equals_ddp_and_two_processes_equal_one(name, tm
     evals = [r for r in read_metrics(tmp_path / "ddp-2x8") if r["kind"] == "eval"]
     assert evals and all(torch.isfinite(torch.tensor(r["loss"])) for r in evals)
 
+    # resume: 4 steps, then the same command to 8, is the straight run bitwise
+    split = tmp_path / "split"
+    for steps in (4, 8):
+        proc = zoo_run(split, name, world=2, batch=8, steps=steps)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = final_checkpoint(split)["model"]
+    assert all(torch.equal(resumed[k], v) for k, v in weights["ddp 2x8"].items()), f"{name}: resume is not bitwise"
+
+    # the Hugging Face export reloads with from_pretrained and scores the evaluation set as the run did
+    if name == "own_init":
+        return
+    export = run_cli("launcher.export", str(tmp_path / "ddp-2x8"), "--hf", str(tmp_path / "hf"), cwd=ZOO_DIR)
+    assert export.returncode == 0, export.stderr[-2000:]
+    model = type(zoo.build(name)).from_pretrained(tmp_path / "hf").eval()
+    for key, value in weights["ddp 2x8"].items():
+        assert torch.equal(model.state_dict()[key], value), f"{name}: the export's {key} is not the run's"
+    task = ModelLoss()
+    task.follow(model)
+    held_out = zoo.Samples(ROWS[name].samples, size=64, split="eval")
+    total = count = 0.0
+    with torch.no_grad():
+        for start in range(0, len(held_out), 32):
+            batch = zoo.pad([held_out[i] for i in range(start, min(start + 32, len(held_out)))])
+            total += float(task.loss_sum(task.call(model, batch), batch))
+            count += float(task.count(batch))
+    if not ROWS[name].not_split_invariant:  # a batch-dependent loss scores other batches otherwise, by definition
+        assert total / count == pytest.approx(evals[-1]["loss"], rel=1e-4), f"{name}: the export scores otherwise"
+    with open(os.environ.get("ZOO_TABLE", os.devnull), "a") as table:
+        table.write(f"{name}: resume bitwise; export reloads, eval loss {total / count:.6f} (run {evals[-1]['loss']:.6f})\n")
+
 
 def test_per_token_labels_under_the_classification_task_are_refused_naming_the_task_that_fits(tmp_path):
     proc = zoo_run(tmp_path / "run", "bert_token_classifier", "task=classification")
