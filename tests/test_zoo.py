@@ -184,13 +184,13 @@ def test_every_row_launched_fsdp_equals_ddp_and_two_processes_equal_one(name, tm
     evals = [r for r in read_metrics(tmp_path / "ddp-2x8") if r["kind"] == "eval"]
     assert evals and all(torch.isfinite(torch.tensor(r["loss"])) for r in evals)
 
-    # resume: 4 steps, then the same command to 8, is the straight run bitwise
-    split = tmp_path / "split"
+    # resume: 4 steps, then the same command to 8, is the straight run bitwise (under fsdp: sharded checkpoints)
+    split, straight = tmp_path / "split", "fsdp 2x8" if "fsdp 2x8" in runs else "ddp 2x8"
     for steps in (4, 8):
-        proc = zoo_run(split, name, world=2, batch=8, steps=steps)
+        proc = zoo_run(split, name, *runs[straight][0], world=2, batch=8, steps=steps)
         assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = final_checkpoint(split)["model"]
-    assert all(torch.equal(resumed[k], v) for k, v in weights["ddp 2x8"].items()), f"{name}: resume is not bitwise"
+    assert all(torch.equal(resumed[k], v) for k, v in weights[straight].items()), f"{name}: {straight} resume is not bitwise"
 
     # the Hugging Face export reloads with from_pretrained and scores the evaluation set as the run did
     if name == "own_init":
@@ -212,7 +212,8 @@ def test_every_row_launched_fsdp_equals_ddp_and_two_processes_equal_one(name, tm
     if not ROWS[name].not_split_invariant:  # a batch-dependent loss scores other batches otherwise, by definition
         assert total / count == pytest.approx(evals[-1]["loss"], rel=1e-4), f"{name}: the export scores otherwise"
     with open(os.environ.get("ZOO_TABLE", os.devnull), "a") as table:
-        table.write(f"{name}: resume bitwise; export reloads, eval loss {total / count:.6f} (run {evals[-1]['loss']:.6f})\n")
+        table.write(f"{name}: {straight} resume bitwise; export reloads, eval loss {total / count:.6f} "
+                    f"(run {evals[-1]['loss']:.6f})\n")
 
 
 def test_per_token_labels_under_the_classification_task_are_refused_naming_the_task_that_fits(tmp_path):
