@@ -28,6 +28,7 @@ import time
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.api import PContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import api as rendezvous_api
@@ -254,8 +255,6 @@ def extensions_supported() -> bool:
     if list(namer.parameters) != ["depth"]:
         return False
     source = inspect.getsource(LocalElasticAgent)
-    from torch.distributed.elastic.multiprocessing.api import PContext
-
     shutdown_parameters = list(shutdown.parameters)
     close = list(inspect.signature(PContext.close).parameters)
     return (

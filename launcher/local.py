@@ -76,12 +76,12 @@ def launch_local(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfi
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(cfg)))
     # The workers die with this process (train/__main__.py): if it is killed, its lease may be taken over at once.
     os.environ[PARENT_ENV] = str(os.getpid())
-    # -P: not the working directory first on the path (a user's train.py there is not our `train`); the user's
-    # modules come from the snapshot's import_path, after ours.
     if cfg.program.name == "script":  # the user's own loop, from the launch directory, as torchrun runs it
         os.environ.update(script_env(cfg, run_dir))
         run_agent(config or launch_config(cfg, run_dir), sys.executable, script_command(cfg))
         return
+    # -P: not the working directory first on the path (a user's train.py there is not our `train`); the user's
+    # modules come from the snapshot's import_path, after ours.
     with zygote.preloaded(snapshot) if cfg.launcher.preload_ranks else contextlib.nullcontext():
         run_agent(config or launch_config(cfg, run_dir), sys.executable, ["-u", "-P", "-m", "train", str(snapshot)])
 

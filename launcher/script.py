@@ -15,13 +15,14 @@ rank (the script's own handler, or train/script_api.py's, decides what a stop do
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
-import sys
 from pathlib import Path
 
 from launcher.schema import Config
 from train.parallel.layout import world_size
 
+PROGRAMS = ("trainer", "script")  # program.name: conf/program/
 RUN_DIR_ENV = "LAUNCHER_RUN_DIR"
 DEVICE_ENV = "LAUNCHER_DEVICE"
 
@@ -57,5 +58,29 @@ def script_env(cfg: Config, run_dir: Path) -> dict[str, str]:
     return {RUN_DIR_ENV: str(run_dir), DEVICE_ENV: "cuda" if cfg.trainer.gpus else "cpu"}
 
 
-if __name__ == "__main__":
-    sys.exit("launcher.script is not run directly: python -m launcher program=script program.script=...")
+
+def check_script(cfg: Config, problems: list[str]) -> None:
+    """program=script: one script or one module, there to run; the world and backend keys are checked as for the
+    trainer. Arguments are the script's own: passed as they are."""
+    p = cfg.program
+    if bool(p.script) == bool(p.module):
+        problems.append("program=script runs one Python file or one module: give program.script=my_loop.py or "
+                        "program.module=package.module (one of them).")
+        return
+    if p.script and not Path(p.script).is_file():
+        problems.append(f"program.script={p.script}: no such file (from {Path.cwd()}): give the path of your training "
+                        f"script, relative to where you launch, or absolute.")
+    elif p.script and not p.script.endswith(".py"):
+        problems.append(f"program.script={p.script} is not a .py file: give a Python script, or program.module= for a "
+                        f"module.")
+    if p.module:
+        try:
+            found = importlib.util.find_spec(p.module)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            problems.append(f"program.module={p.module} cannot be imported from {Path.cwd()}: give a module that "
+                            f"`python -m {p.module}` runs there.")
+    if cfg.trainer.fault_tolerance != "none":
+        problems.append(f"trainer.fault_tolerance={cfg.trainer.fault_tolerance} is the trainer's: under program=script "
+                        f"use torchft in your script itself, and leave the key out.")

@@ -21,6 +21,7 @@ from omegaconf.errors import ConfigKeyError
 from launcher.backend import BACKENDS, get_backend
 from launcher.one_batch import check_one_batch
 from launcher.schema import Config
+from launcher.script import PROGRAMS, check_script
 from train.checkpoint import checkpoint_dir, committed, refuse_fresh_start_over
 from train.config import CHECKPOINT_FORMATS, CONFIG_FILE, checkpoint_format
 from train.observe.console import PROGRESS_MODES
@@ -366,38 +367,6 @@ def _check_fault_tolerance(cfg: Config, problems: list[str]) -> None:
         problems.append("trainer.fault_tolerance=replicas needs torchft: pip install -e '.[ft]'.")
 
 
-PROGRAMS = ("trainer", "script")
-
-
-def _check_script(cfg: Config, problems: list[str]) -> None:
-    """program=script: one script or one module, there to run; the world and backend keys are checked as for the
-    trainer. Arguments are the script's own: passed as they are."""
-    p = cfg.program
-    if bool(p.script) == bool(p.module):
-        problems.append("program=script runs one Python file or one module: give program.script=my_loop.py or "
-                        "program.module=package.module (one of them).")
-        return
-    if p.script and not Path(p.script).is_file():
-        problems.append(f"program.script={p.script}: no such file (from {Path.cwd()}): give the path of your training "
-                        f"script, relative to where you launch, or absolute.")
-    elif p.script and not p.script.endswith(".py"):
-        problems.append(f"program.script={p.script} is not a .py file: give a Python script, or program.module= for a "
-                        f"module.")
-    if p.module:
-        import importlib.util
-
-        try:
-            found = importlib.util.find_spec(p.module)
-        except (ImportError, ValueError):
-            found = None
-        if found is None:
-            problems.append(f"program.module={p.module} cannot be imported from {Path.cwd()}: give a module that "
-                            f"`python -m {p.module}` runs there.")
-    if cfg.trainer.fault_tolerance != "none":
-        problems.append(f"trainer.fault_tolerance={cfg.trainer.fault_tolerance} is the trainer's: under program=script "
-                        f"use torchft in your script itself, and leave the key out.")
-
-
 def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> None:
     """Raise ConfigError listing every problem with `cfg` (and its data and run directory)."""
     problems: list[str] = []
@@ -410,7 +379,7 @@ def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> Non
     if runs_here or backend.name != "local":
         backend.validate(cfg, problems)
     if _choice(problems, "program.name", cfg.program.name, PROGRAMS) and cfg.program.name == "script":
-        _check_script(cfg, problems)  # the user's own loop: the trainer's model, data and task are not used
+        check_script(cfg, problems)  # the user's own loop: the trainer's model, data and task are not used
         if problems:
             raise ConfigError(problems)
         return

@@ -175,9 +175,9 @@ def test_a_replica_groups_logged_loss_is_its_batch_mean_not_divided_by_every_gro
         meter = Meter(torch.device("cpu"))
         meter.add(torch.tensor(6.27))  # one rank, one copy in its group: its loss is its batch's mean
         meter.timed_steps = 1
-        assert meter.reduce(global_batch=16, replicas=2, gathered_replicas=1)["loss"] == pytest.approx(6.27)
+        assert meter.reduce(global_batch=16, replicas=2, loss_replicas=1)["loss"] == pytest.approx(6.27)
         meter.add(torch.tensor(6.27))
         meter.timed_steps = 1
-        assert meter.reduce(global_batch=16, replicas=1)["loss"] == pytest.approx(6.27)  # no groups: the job's copies
+        assert meter.reduce(global_batch=16, replicas=1, loss_replicas=1)["loss"] == pytest.approx(6.27)  # no groups
     finally:
         dist.destroy_process_group()

@@ -102,7 +102,7 @@ def build_initial_model(cfg: TrainConfig):
 
         get_object(cfg.model["_target_"])  # its module imported first: build_on_meta adapts to a Hugging Face model's
         fallback = "trainer.meta_init: building the whole model on every rank instead (%s); trainer.meta_init=false " \
-                   "says so without this line"
+                   "does so without this line"
         try:
             model, recipes = build_on_meta(lambda: build_model(cfg))
         except Unsupported as why:

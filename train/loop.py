@@ -161,8 +161,7 @@ def fit(run: Run) -> Outcome:
         if progress.step % cfg.trainer.log_every == 0:
             run.finite.check()
             values = {
-                **meter.reduce(plan.global_batch, plan.replicas, loss_copies=run.strategy.layout.tp,
-                               gathered_replicas=run.strategy.layout.dp),
+                **meter.reduce(plan.global_batch, plan.replicas, run.strategy.layout.dp, loss_copies=run.strategy.layout.tp),
                 "lr": run.scheduler.get_last_lr()[0],
                 "epoch": progress.step / plan.steps_per_epoch,
                 "restarts": restarts,

@@ -148,12 +148,12 @@ class Meter:
         if self.forward is not None:
             self.forward.take()
 
-    def reduce(self, global_batch: int, replicas: int, loss_copies: int = 1, gathered_replicas: int | None = None) -> dict[str, float]:
+    def reduce(self, global_batch: int, replicas: int, loss_replicas: int, loss_copies: int = 1) -> dict[str, float]:
         """Loss averaged over replicas and steps since the last call, throughput, and every rank's timing (collective).
-        `loss_copies`: ranks of one replica that each compute its whole loss (a tp group's), counted once.
-        `replicas`: the job's data-parallel copies (throughput); `gathered_replicas`: those among the ranks gathered
-        here (one replica group's, under trainer.fault_tolerance=replicas; the job's otherwise), whose losses are
-        each the gathered batch's mean scaled by them (train_step).
+        `replicas`: the job's data-parallel copies (throughput); `loss_replicas`: those among the ranks gathered here
+        (the layout's: one replica group's under trainer.fault_tolerance=replicas), whose losses are each the gathered
+        batch's mean scaled by them (train_step). `loss_copies`: ranks of one replica that each compute its whole loss
+        (a tp group's), counted once.
 
         One all_gather carries each rank's loss sum, step time and data-wait time: a straggler or a data stall
         shows up by rank, and the interval costs a single collective.
@@ -173,7 +173,7 @@ class Meter:
         loss, step_time, data_time, forward_time, tokens = torch.stack(table).double().cpu().unbind(1)  # a value per rank
         values = {
             # ranks without a loss add zeros; an interval whose steps were all skipped (trainer.nonfinite) has none
-            **({"loss": loss.sum().item() / (gathered_replicas or replicas) / loss_copies / self.steps} if self.steps else {}),
+            **({"loss": loss.sum().item() / loss_replicas / loss_copies / self.steps} if self.steps else {}),
             "samples_per_s": self.timed_steps * global_batch / elapsed,
             # Ranks that read the same batches (a pipeline's stages) count them once.
             **(token_figures(tokens.sum().item() * replicas / len(table) / elapsed, len(table), self.flops_per_token,

@@ -183,9 +183,10 @@ class ModelLoss(Task):
     batch has `labels_key` (per-token labels (N, T) shifted by one when `shift_labels`: the model predicts
     labels[:, 1:], as Hugging Face causal LMs do; one label per sample (N,) is never shifted), else the batch's
     samples. `shift_labels: null` (the default) follows the model (`follow`): a Hugging Face causal LM shifts; a
-    token classifier, a masked LM, a seq2seq model, a CTC model and any other model compare position by position. Training and evaluation weigh each batch by that count. `accuracy: true` also reports the accuracy of
-    the output's `logits` against the labels (a classifier's; best.pt then keeps the highest), `perplexity: true`
-    exp(loss)."""
+    token classifier, a masked LM, a seq2seq model, a CTC model and any other model compare position by position
+    (a CTC model with mean reduction also counts samples: its loss is a mean over them). Training and evaluation
+    weigh each batch by that count. `accuracy: true` also reports the accuracy of the output's `logits` against the
+    labels (a classifier's; best.pt then keeps the highest), `perplexity: true` exp(loss)."""
 
     def __init__(self, labels_key: str = "labels", ignore_index: int = -100, shift_labels: bool | None = None,
                  perplexity: bool = False, accuracy: bool = False):

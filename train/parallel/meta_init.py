@@ -18,11 +18,12 @@ by one rank of each shard group, in turn, which scatters the pieces to the other
 1/(shard group) of the model; other layouts (tensor parallel pieces) are replayed by every rank. Tied parameters (an output layer sharing the embedding's matrix) stay tied. What cannot
 be replayed this way (a tensor computed from or filled from another, written
 through a view, a private generator) is reported by `Unsupported`, and the caller falls back to the full build.
+What the build changes in torch and transformers while it runs (init functions recorded whole, Hugging Face's
+initialisation on the meta device) is train/parallel/init_hooks.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import sys
@@ -33,7 +34,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from train.parallel.init_hooks import hugging_face_initialises, init_functions_recorded
+
 RANDOM = {"uniform_", "normal_", "random_", "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_"}
+FILLS = RANDOM | {"fill_", "zero_"}  # in-place operations that give every element of their tensor a value
 CONTENT_FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
 
 
@@ -57,7 +61,7 @@ def _name(func) -> str:
 
 def _fills(func) -> bool:
     """Whether a recorded step gives every element a value (a random draw, a fill, a torch.nn.init function)."""
-    return func.fills if isinstance(func, (_Step, _Viewed)) else _name(func) in RANDOM | {"fill_", "zero_"}
+    return func.fills if isinstance(func, (_Step, _Viewed)) else _name(func) in FILLS
 
 
 SHADOW_NUMEL = 1 << 20  # small tensors computed at construction (a rotary table) are also computed on the CPU
@@ -154,7 +158,6 @@ class _Recorder(TorchDispatchMode):
         step = _Step(func, name, view) if view else func
         self.recipes[key].append((step, tuple(rest) if rest is not None else args[1:], kwargs, state))
 
-
     def record_unit(self, function, tensor: torch.Tensor, args, kwargs) -> None:
         """A whole `torch.nn.init` function applied to a new meta tensor, recorded as one step: it is run on a CPU
         scratch tensor here (the generator moves on exactly as in a full build, however many numbers it draws: torch's
@@ -186,7 +189,7 @@ class _Step:
 
     def __init__(self, function, name: str, view: tuple | None = None, init: bool = False):
         self.function, self.name, self.view = function, name, view
-        self.fills = view is None and (init or name in RANDOM | {"fill_", "zero_"})  # every element given a value
+        self.fills = view is None and (init or name in FILLS)  # every element given a value
 
     def __call__(self, tensor, *args, **kwargs):
         return self.function(tensor.as_strided(*self.view) if self.view else tensor, *args, **kwargs)
@@ -205,64 +208,6 @@ class _Viewed:
         self.geometry = geometry
 
 
-# Where torch.nn.init's functions are looked up when a model initialises: the module itself (nn.Linear's
-# reset_parameters reads init.kaiming_uniform_), and modules that imported a function by name (MultiheadAttention's
-# xavier_uniform_). The same list as transformers' guard_torch_init_functions.
-INIT_FUNCTIONS = ("uniform_", "normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
-                  "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "orthogonal_", "sparse_")
-INIT_LOOKUP_MODULES = ("torch.nn.init", "torch.nn.modules.activation", "torch.nn.modules.transformer",
-                       "torch.nn.modules.linear", "torch.nn.modules.batchnorm", "torch.nn.modules.conv",
-                       "torch.nn.modules.normalization", "torch.nn.modules.rnn", "torch.nn.modules.sparse")
-
-
-_ACTIVE: list[_Recorder] = []  # the recorder of the meta build under way (builds do not nest across threads)
-
-
-def _unit(function):
-    """`function` (a torch.nn.init one), recording itself whole when given a meta tensor during a meta build. A
-    module that imports a function while a build runs (transformers, imported by a builder) keeps this one: it
-    records into whichever build is under way, and is the function itself otherwise."""
-    @functools.wraps(function)
-    def recorded(tensor, *args, **kwargs):
-        if _ACTIVE and isinstance(tensor, torch.Tensor) and tensor.is_meta:
-            _ACTIVE[-1].record_unit(function, tensor, args, kwargs)
-            return tensor
-        return function(tensor, *args, **kwargs)
-    recorded.records_for_meta_init = True
-    return recorded
-
-
-_UNITS: dict[str, object] = {}
-
-
-@contextlib.contextmanager
-def _init_functions_recorded(recorder: _Recorder):
-    """Every torch.nn.init function, wherever it is looked up (Hugging Face keeps the originals in a table of its own,
-    transformers.initialization.TORCH_INIT_FUNCTIONS), records itself whole when given a meta tensor."""
-    if not _UNITS:
-        _UNITS.update({name: _unit(getattr(torch.nn.init, name)) for name in INIT_FUNCTIONS})
-    originals = {name: unit.__wrapped__ for name, unit in _UNITS.items()}
-    patched: list[tuple[object, str, object]] = []
-    for place in [sys.modules[m] for m in INIT_LOOKUP_MODULES if m in sys.modules]:
-        for name, function in originals.items():
-            if getattr(place, name, None) is function:
-                patched.append((place, name, function))
-                setattr(place, name, _UNITS[name])
-    table = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", None)
-    table_before = dict(table) if isinstance(table, dict) else None
-    if table_before is not None:
-        table.update({name: _UNITS[name] for name in table if name in _UNITS and table[name] is originals[name]})
-    _ACTIVE.append(recorder)
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
-        for place, name, function in patched:
-            setattr(place, name, function)
-        if table_before is not None:
-            table.update(table_before)
-
-
 def _constant(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     return value.clone().to(device)
 
@@ -278,7 +223,7 @@ def build_on_meta(build) -> tuple[nn.Module, dict]:
     state = torch.get_rng_state()
     transformers_before = "transformers.modeling_utils" in sys.modules
     recorder = _Recorder()
-    with torch.device("meta"), _hugging_face_initialises(), _init_functions_recorded(recorder), recorder:
+    with torch.device("meta"), hugging_face_initialises(), init_functions_recorded(recorder), recorder:
         model = build()
     if not transformers_before and "transformers.modeling_utils" in sys.modules:
         # The build imported transformers itself (a builder that imports it inside): its initialisation ran without
@@ -302,23 +247,6 @@ def build_on_meta(build) -> tuple[nn.Module, dict]:
             raise Unsupported(f"{name} is created empty and never filled in place")
         recipes[name] = steps
     return model, recipes
-
-
-@contextlib.contextmanager
-def _hugging_face_initialises():
-    """Hugging Face models skip their weight initialisation when the default device is meta (they expect weights
-    from a checkpoint next). Here the initialisation must run, where a full build runs it (before the weights are
-    tied), to be recorded: transformers is told the default device is the CPU while the model is built."""
-    utils = sys.modules.get("transformers.modeling_utils")
-    if utils is None or not hasattr(utils, "get_torch_context_manager_or_global_device"):
-        yield
-        return
-    original = utils.get_torch_context_manager_or_global_device
-    utils.get_torch_context_manager_or_global_device = lambda: torch.device("cpu")
-    try:
-        yield
-    finally:
-        utils.get_torch_context_manager_or_global_device = original
 
 
 def replay(steps: list) -> torch.Tensor:
