@@ -81,6 +81,7 @@ class TrainerConfig:
     nonfinite: str = "stop"  # a NaN/inf training loss: stop (an error naming the step and rank, no checkpoint written) | skip (the step is dropped)
     precision: str = "32"  # 32 | bf16 | fp16 (fp16 needs GPUs and uses a grad scaler)
     tf32: bool = True  # precision 32 on GPUs: fp32 matmuls and convolutions in TF32 (~8x faster, 10-bit mantissa); false: full fp32
+    deterministic: bool = False  # GPUs: deterministic kernels only (no cuDNN autotuning, no atomics; slower), so that a resume or a rerun is bitwise the same; an op with no deterministic kernel raises naming it
     strategy: str = "ddp"  # ddp (copy the model, split the batch) | fsdp (shard parameters, grads, optimizer state) | pipeline (a stage of blocks per process)
     pp: int = 0  # pipeline: stages (each replicated over world / pp data-parallel ranks); 0: one stage per process
     pp_sharded: bool = False  # pipeline: shard each stage over its data-parallel ranks (FSDP2) instead of copying it

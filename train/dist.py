@@ -53,11 +53,16 @@ def resolve_backend(backend: str, gpus: int) -> str:
     return backend
 
 
-def pick_device(env: DistEnv, gpus: int) -> torch.device:
+def pick_device(env: DistEnv, gpus: int, deterministic: bool = False) -> torch.device:
     if gpus > 0:
         device = torch.device("cuda", local_device_index(env, torch.cuda.device_count()))
         torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True  # training shapes are fixed (full batches): tune once, reuse
+        if deterministic:  # cuDNN's timed choice of algorithms and atomic adds differ from run to run
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any matmul
+            torch.backends.cudnn.benchmark = False
+            torch.use_deterministic_algorithms(True)
+        else:
+            torch.backends.cudnn.benchmark = True  # training shapes are fixed (full batches): tune once, reuse
         return device
     return torch.device("cpu")
 

@@ -53,7 +53,7 @@ def main(config_path: str | Path) -> Outcome:
     log.addHandler(handler)  # the trainer's own loggers only: the host program's logging stays its own
     log.setLevel(logging.INFO if env.writes else logging.WARNING)
     torch.set_num_threads(cfg.trainer.threads or distributed.default_threads(env))
-    device = distributed.pick_device(env, cfg.trainer.gpus)
+    device = distributed.pick_device(env, cfg.trainer.gpus, cfg.trainer.deterministic)
     set_matmul_precision(cfg.trainer.precision, cfg.trainer.tf32, device)
     backend = distributed.resolve_backend(cfg.trainer.backend, cfg.trainer.gpus)
     if backend == "nccl":  # before the process group exists: NCCL reads them once
