@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import contextlib
 import os
 import signal
 import sys
@@ -169,6 +170,7 @@ class Agent(LocalElasticAgent):
             print(f"{signal.Signals(death_sig).name}: the workers save a checkpoint at the next step boundary and stop "
                   f"(up to launcher.shutdown_timeout_s={timeout}); send it again to stop them at once", file=sys.stderr, flush=True)
         timeout = self.shutdown_timeout if timeout is None else timeout
+        self.wake_workers()
         if AGENT_TAKES_SHUTDOWN_TIMEOUT:
             super()._shutdown(forwarded, timeout)
         else:  # torch < 2.13's _shutdown, with the timeout its PContext.close already takes
@@ -180,6 +182,14 @@ class Agent(LocalElasticAgent):
                 self._health_check_server = None
             if self._pcontext:
                 self._pcontext.close(forwarded, timeout)
+
+    def wake_workers(self) -> None:
+        """SIGCONT to every worker's process group: a rank stopped by SIGSTOP (frozen, as a hang report names it)
+        would hold the stop signal pending, and the restart waits launcher.shutdown_timeout_s for it to end. (A
+        relay of the zygote passes the stop signal and a SIGCONT on to its rank itself.)"""
+        for pid in self._pcontext.pids().values() if self._pcontext else ():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGCONT)
 
     def failures_while_stopping(self) -> dict[int, ProcessFailure]:
         """After a signal stopped the workers: by global rank, those that ended with an error of their own (a stop's

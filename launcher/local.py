@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -121,7 +122,7 @@ def _check_endpoint(cfg: Config, problems: list[str]) -> None:
 def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig | None = None) -> int:
     """This node's workers to their end under one elastic agent; the exit code of the launch. The trainer writes
     its own status; a script's is written here (it knows nothing of status.json)."""
-    script = cfg.program.name == "script"
+    script, started = cfg.program.name == "script", time.time()
     if script:
         write_status(run_dir, "running")
     try:
@@ -140,8 +141,8 @@ def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig
         else:
             print(f"stopped by {error.sigval.name}; the workers were stopped. Run the same command again to resume "
                   f"from the last checkpoint in {run_dir}.", file=sys.stderr)
-            if script:
-                write_status(run_dir, "stopped")
+            if script or read_status(run_dir).get("time", 0) < started:  # stopped before a rank could say so
+                write_status(run_dir, "stopped")  # (a script never does; ranks still starting, or restarting)
         sys.exit(128 + error.sigval.value)  # a signal stops a whole sweep too
     if script:
         write_status(run_dir, "finished")

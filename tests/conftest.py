@@ -203,6 +203,36 @@ def signalled_launch(overrides: list[str], run_dir, cwd, sig: int = signal.SIGTE
     return proc, out, err
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, theirs, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def process_named(name: str, under: int) -> int | None:
+    """The process below `under` whose name (ps, top, pgrep's) is `name`, e.g. "train rank 0", as an operator finds
+    a rank to signal it; None if there is none."""
+    for pid in descendants(under):
+        try:
+            if open(f"/proc/{pid}/comm").read().strip() == name:
+                return pid
+        except OSError:
+            continue
+    return None
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tracker_records
-from conftest import (FAST, final_checkpoint, fault_env, kill_leftovers, logged_steps, read_metrics, run_cli,
+from conftest import (FAST, final_checkpoint, fault_env, kill_leftovers, logged_steps, process_named, read_metrics, run_cli,
                       signalled_launch, wait_for)
 from test_ddp_identity import IDENTITY, RESUME
 from train.observe.status import read_status
@@ -391,3 +391,42 @@ def test_the_rendezvous_event_namer_names_the_method_torchs_does_without_reading
 
     ours, theirs = next_rendezvous()
     assert ours == theirs == "next_rendezvous"
+
+
+@pytest.mark.alone
+@pytest.mark.parametrize("frozen", [0, 1])
+def test_a_frozen_rank_is_reported_and_the_group_restarts(tmp_path, frozen):
+    """A rank stopped from outside (SIGSTOP, found by its process name: a rank stuck in a kernel or on a dead mount
+    looks the same) is named by the others' hang report within trainer.hang_timeout_s and a bound, and the group is
+    restarted, though rank 0 serves the store that the reports are asked through, and a stopped process holds a
+    SIGTERM pending for ever."""
+    run_dir, stderr_path = tmp_path / "run", tmp_path / "stderr.txt"
+    command = [sys.executable, "-m", "launcher", *FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16",
+               "trainer.max_steps=-1", "trainer.epochs=100000", "launcher.max_restarts=1", "trainer.hang_timeout_s=3",
+               "trainer.timeout_s=60", f"hydra.run.dir={run_dir}"]  # runs until stopped
+    with open(stderr_path, "w") as stderr, subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                                                            stderr=stderr, text=True) as proc:
+        try:
+            wait_for(lambda: bool(logged_steps(run_dir)), timeout=120, what="the first logged steps")
+            pid = process_named(f"train rank {frozen}", under=proc.pid)
+            assert pid, f"no process named 'train rank {frozen}' under the launcher"
+            os.kill(pid, signal.SIGSTOP)
+            # 3 s without progress, up to 5 s for a store that does not answer, the others' answers: far below 60
+            wait_for(lambda: any((run_dir / "hang").glob("*/summary.txt")), timeout=60, what="a hang report")
+            wait_for(lambda: "restarting the workers (restart 1 of 1)" in stderr_path.read_text(), timeout=60,
+                     what="the group's restart")
+            wait_for(lambda: process_named(f"train rank {frozen}", under=proc.pid) not in (None, pid), timeout=60,
+                     what="the restarted rank")
+            wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=30, what="the frozen rank's end")
+            logged = len(logged_steps(run_dir))
+            wait_for(lambda: len(logged_steps(run_dir)) > logged, timeout=60, what="the restarted group to train")
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=120)
+        finally:
+            kill_leftovers(proc, run_dir)
+    print(stderr_path.read_text())
+    [summary] = (run_dir / "hang").glob("*/summary.txt")
+    text = summary.read_text()
+    assert "1 of 2 ranks answered" in text and f"no report from rank {frozen}" in text
+    assert read_status(run_dir)["status"] == "stopped"  # the restarted group stopped as asked, with a checkpoint
+    assert final_checkpoint(run_dir)["step"] == read_status(run_dir)["step"]

@@ -167,6 +167,8 @@ def relay(address: str, module: str = "train") -> None:
     def forward(signum, frame):
         if rank:
             signal_group(rank, signum)
+            if signum in (signal.SIGTERM, signal.SIGINT):  # a stopped (SIGSTOP) rank acts on it, or dies of it, now
+                signal_group(rank, signal.SIGCONT)
         else:
             pending.append(signum)
 

@@ -6,8 +6,8 @@ How the ranks learn of it without a collective (a hung group has none to spare):
 request (atomically; the others join its incident), and every rank's watchdog looks for one at each tick and
 answers with its report. The request is a key of the attempt's rendezvous store (rank 0 serves it from a thread of
 its own, which answers while rank 0's Python is stuck), so that 512 ranks looking every few seconds cost the shared
-file system nothing; where no store answers (no launcher, rank 0 dead) it is RUN_DIR/hang/request, newer than the
-rank's start. The noticing rank waits a few ticks for the answers before it summarises and exits. A rank that
+file system nothing; where no store answers (no launcher, rank 0 dead, or frozen whole by SIGSTOP: then its store
+does not answer within STORE_WAIT_S) it is RUN_DIR/hang/request, newer than the rank's start. The noticing rank waits a few ticks for the answers before it summarises and exits. A rank that
 cannot answer (wedged holding the GIL, or dead) is named too.
 
 Who is behind: every collective advances its group's sequence number on every member in the same order (c10d keeps
@@ -34,6 +34,7 @@ from train.files import replace_text
 HANG_DIR = "hang"
 REQUEST = "request"
 SUMMARY = "summary.txt"
+STORE_WAIT_S = 5.0  # a store that has not answered by then is taken for frozen
 STDLIB = tuple(os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib"))
 
 
@@ -94,14 +95,27 @@ class HangReports:
         self.answered: str | None = None  # the incident this rank has written its report for
 
     def _in_store(self, operation):
-        """`operation(store)`, or None once the store fails (from then on the file serves)."""
-        if self.store is None:
+        """`operation(store)`, or None once the store fails or does not answer within STORE_WAIT_S (from then on
+        the file serves). In a thread of its own: a client of a frozen server (rank 0 stopped, its store's thread
+        with it) waits forever in `check` whatever its timeout, and the one reporting the hang must not join it."""
+        store = self.store
+        if store is None:
             return None
-        try:
-            return operation(self.store)
-        except Exception:  # rank 0, which serves it, is gone: the file system still works
+        outcome: dict = {}
+
+        def call() -> None:
+            try:
+                outcome["value"] = operation(store)
+            except Exception as error:  # noqa: BLE001 - rank 0, which serves it, is gone: the file system works
+                outcome["error"] = error
+
+        asking = threading.Thread(target=call, name="hang-store", daemon=True)
+        asking.start()
+        asking.join(STORE_WAIT_S)
+        if "value" not in outcome:  # failed, or still waiting (left behind: a daemon, it never holds the exit)
             self.store = None
             return None
+        return outcome["value"]
 
     def _fresh_request(self) -> str | None:
         if self.store is not None:
