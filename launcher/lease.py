@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from train.files import replace_text
+from train.writer import LEASE_FILE, LEASE_KEY_ENV
 
-LEASE_FILE = "lease.json"
 LOCK_FILE = ".launcher.lock"
 LEASE_LOCK = ".lease.lock"  # held for a read-check-write of lease.json only
 LOST_EXIT_CODE = 75  # a holder whose lease was taken over: EX_TEMPFAIL, not a crash
@@ -165,6 +165,7 @@ class Renewer:
 
     def __enter__(self) -> Renewer:
         take_lease(self.run_dir, self.lease.renewed())
+        os.environ[LEASE_KEY_ENV] = self.lease.key  # the ranks started from here write under it (train/writer.py)
         self._thread.start()
         return self
 

@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.backend import lease_holder_alive
 from launcher.lease import Lease, Renewer, read_lease
+from train.writer import LEASE_KEY_ENV
 from launcher.ray_backend import bundle
 from launcher.schema import Config
 from train.host import PARENT_ENV, USER_PATH_ENV
@@ -58,9 +59,9 @@ class NodeAgent:
             probe.bind((ray.util.get_node_ip_address(), 0))
             return ray.util.get_node_ip_address(), probe.getsockname()[1]
 
-    async def run(self, snapshot: str, endpoint: str, restarts: int) -> int:
+    async def run(self, snapshot: str, endpoint: str, restarts: int, lease_key: str) -> int:
         env = {**os.environ, **user_path_apart(os.environ, os.getcwd()), PARENT_ENV: str(os.getpid()),
-               "LAUNCHER_RESTARTS": str(restarts)}
+               "LAUNCHER_RESTARTS": str(restarts), LEASE_KEY_ENV: lease_key}  # the driver's lease: its ranks write
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-u", "-P", "-m", "launcher.node", snapshot, endpoint, env=env)
         if self.stopping:
@@ -116,7 +117,7 @@ class Driver:
             print(f"attempt {restarts}: {self.cfg.trainer.nodes} node(s), rendezvous at {endpoint}", flush=True)
             if self.stop_asked:
                 return STOPPED_EXIT_CODE, "stopped before it started"
-            runs = {agent.run.remote(str(self.snapshot), endpoint, restarts): i for i, agent in enumerate(self.agents)}
+            runs = {agent.run.remote(str(self.snapshot), endpoint, restarts, os.environ.get(LEASE_KEY_ENV, "")): i for i, agent in enumerate(self.agents)}
             pending = list(runs)
             while pending:
                 done, pending = ray.wait(pending, num_returns=1, timeout=1.0)  # short waits: a SIGTERM is seen

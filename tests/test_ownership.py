@@ -284,3 +284,26 @@ def test_whether_a_sigterm_means_preemption_is_asked_of_slurm_once_per_job(tmp_p
     assert slurm.preemption_decided("4711", tmp_path, asks=True) is False
     assert [slurm.preemption_decided("4711", tmp_path, asks=False, wait_s=5) for _ in range(511)] == [False] * 511
     assert asked == ["4711", "4711"]
+
+
+def test_python_m_train_into_a_directory_a_launcher_holds_is_refused_before_it_writes(tmp_path):
+    """Another door into a running run: `python -m train RUN_DIR/config.yaml` (or plain torchrun) beside the launcher
+    that holds RUN_DIR would resume from its checkpoints, train beside it and delete them by its keep-last rule."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "launcher", *SMALL, "trainer.epochs=100000", "checkpoint.every_steps=5",
+               f"hydra.run.dir={run_dir}"]
+    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as holder:
+        try:
+            wait_for(lambda: any(s >= 5 for s in logged_steps(run_dir)), 120, "the holder to train")
+            other = subprocess.run([sys.executable, "-m", "train", str(run_dir / "config.yaml")], cwd=tmp_path,
+                                   capture_output=True, text=True, timeout=120)
+            assert holder.poll() is None  # the holder trains on
+        finally:
+            holder.kill()
+            holder.communicate()
+            subprocess.run(["pkill", "-9", "-f", f"train {run_dir}/config.yaml"], capture_output=True)
+    print(other.stderr)
+    assert other.returncode == 2 and "Traceback" not in other.stderr
+    assert f"error: {run_dir} belongs to launcher pid {holder.pid} on {socket.gethostname()}" in other.stderr
+    assert "python -m launcher.jobs cancel" in other.stderr
+    assert "[rank 0]" not in other.stderr  # refused before it logged (or wrote) anything

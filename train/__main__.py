@@ -19,6 +19,7 @@ import gc  # noqa: E402
 gc.disable()
 
 import argparse  # noqa: E402
+import sys  # noqa: E402
 
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
@@ -26,6 +27,7 @@ from train.dist import exit_without_finalizing  # noqa: E402
 from train.host import die_with_parent  # noqa: E402
 from train.finite import NONFINITE_EXIT_CODE, NonFiniteLoss  # noqa: E402
 from train.run import main  # noqa: E402
+from train.writer import RunDirHeld  # noqa: E402
 
 
 @record  # a failing rank's traceback reaches the launcher's error report
@@ -41,6 +43,9 @@ if __name__ == "__main__":
         cli()
     except Exception as error:
         if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            if isinstance(error, RunDirHeld):  # a refusal, not a crash: the message says what to do
+                print(f"error: {error}", file=sys.stderr)
+                sys.exit(2)
             raise  # no agent to report it: the traceback goes to stderr, as usual
         # @record wrote the traceback to the error file: the launcher prints the first failing rank's once, and a
         # line for each other rank (a line printed here by every rank was 512 lines at 512 ranks).

@@ -38,6 +38,7 @@ from train.parallel.strategies import build_strategy
 from train.parallel.strategy import Strategy, memory_format, place
 from train.step import build_autocast, set_matmul_precision
 from train.tasks import follow_model
+from train.writer import check_writer
 
 log = logging.getLogger("train")
 
@@ -48,6 +49,8 @@ def main(config_path: str | Path) -> Outcome:
     cfg = load_config(config_path)
     add_import_path(cfg)
     env = DistEnv.from_env()
+    if env.writes:  # before anything is written: another holder's run is not this process's to write
+        check_writer(config_path.parent)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s"))
     log.addHandler(handler)  # the trainer's own loggers only: the host program's logging stays its own
