@@ -18,6 +18,7 @@ What runs inside the job (the env:// variables, each task's work, the preemption
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -32,7 +33,8 @@ from omegaconf import DictConfig
 from launcher.backend import SubmittingBackend
 from launcher.lease import Lease, read_lease, take_lease
 from launcher.schema import Config
-from launcher.slurm_job import ENV_CONTRACT, SlurmReplicaNode, SlurmTask, job_lease, slurm_folder
+from launcher.script import script_command
+from launcher.slurm_job import ENV_CONTRACT, SlurmReplicaNode, SlurmScript, SlurmTask, job_lease, slurm_folder
 from train.observe.status import read_status, write_status
 from train.parallel.layout import procs_per_node
 
@@ -142,8 +144,12 @@ def submit(cfg: Config, run_dir: Path, snapshot: Path):
 
     executor = submitit.SlurmExecutor(folder=slurm_folder(run_dir), python=task_python())
     executor.update_parameters(**executor_parameters(cfg, node_cpus(cfg.launcher.partition)))
-    task = SlurmReplicaNode(str(snapshot)) if cfg.trainer.fault_tolerance == "replicas" else \
-        SlurmTask(str(snapshot), cfg.launcher.max_requeues, f"SIG{cfg.launcher.signal}")
+    if cfg.program.name == "script":  # the user's own loop: each task runs it as its rank
+        task = SlurmScript(str(snapshot), [sys.executable, *script_command(cfg)], os.getcwd())
+    elif cfg.trainer.fault_tolerance == "replicas":
+        task = SlurmReplicaNode(str(snapshot))
+    else:
+        task = SlurmTask(str(snapshot), cfg.launcher.max_requeues, f"SIG{cfg.launcher.signal}")
     job = executor.submit(task)
     record = {"job_id": job.job_id, "submitted": time.time(), "nodes": cfg.trainer.nodes, "tasks": procs_per_node(cfg.trainer)}
     with open(slurm_folder(run_dir) / JOBS_FILE, "a") as f:

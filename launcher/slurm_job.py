@@ -6,6 +6,7 @@ entry point, which runs what submitit unpickles."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import subprocess
@@ -115,6 +116,73 @@ class SlurmTask:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             time.sleep(1)
+
+
+class SlurmScript:
+    """What every task of the job runs under program=script: the user's own loop as this task's rank (launcher/
+    script.py), from the directory it was launched in, with the env:// variables from SLURM's and the launcher's own.
+    SLURM signals every process of the step (scancel, the warning before the time limit): the script gets them
+    itself, and this task waits for it. Rank 0 holds the job's lease and writes status.json from the script's end.
+    A requeue after the warning is not made for a script: its checkpoint is its own; a new launch resumes it."""
+
+    def __init__(self, snapshot: str, command: list[str], cwd: str):
+        self.snapshot, self.command, self.cwd = snapshot, command, cwd
+
+    def __call__(self) -> dict:
+        import signal
+
+        from omegaconf import OmegaConf
+
+        from launcher.backend import lease_holder_alive
+        from launcher.script import script_env
+        from train.observe.status import write_status
+
+        export_env_from_slurm()
+        clear_unfinished_result()
+        job_id, run_dir = os.environ["SLURM_JOB_ID"], Path(self.snapshot).parent
+        mine, current = job_lease(job_id), read_lease(run_dir)
+        if current is not None and current.key != mine.key and (owner := lease_holder_alive(current))[0]:
+            message = f"job {job_id} does not start: {run_dir} belongs to {current.holder} ({owner[1]})"
+            print(f"error: {message}", file=sys.stderr)
+            return {"status": "refused", "error": message}
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(self.snapshot))
+        first = os.environ["RANK"] == "0"
+        renewer = Renewer(run_dir, mine).__enter__() if first else None
+        if first:
+            write_status(run_dir, "running")
+        stops: list[str] = []
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):  # the script's to act on
+            signal.signal(sig, lambda signum, frame: stops.append(signal.Signals(signum).name))
+        restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+        errors = slurm_folder(run_dir) / f"errors-{job_id}-{restart}"  # ddp_loop's runner records a failure there
+        errors.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **script_env(cfg, run_dir), "TORCHELASTIC_RESTART_COUNT": restart,
+               "TORCHELASTIC_ERROR_FILE": str(errors / f"rank{os.environ['RANK']}.json")}
+        code = subprocess.call(self.command, cwd=self.cwd, env=env)
+        status = "finished" if code == 0 and not stops else "stopped" if code == 0 or stops else "failed"
+        if status == "failed":  # every failing task says so; the first failure it knows of is the run's error
+            write_status(run_dir, status, error=first_error(errors) or f"rank {os.environ['RANK']}: exit code {code}")
+        elif first:
+            write_status(run_dir, status)
+        if renewer:
+            renewer.stop(release_lease=True)
+        if code and not stops:
+            raise RuntimeError(f"rank {os.environ['RANK']}: {' '.join(self.command[-3:])} exited with code {code} "
+                               f"(its traceback is in this task's log)")
+        return {"status": status, "exit_code": code}
+
+
+def first_error(folder: Path) -> str:
+    """'rank R failed: ERROR' of the earliest error file in `folder` (torch's @record format), '' if none."""
+    found = []
+    for path in folder.glob("rank*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            message = json.loads(path.read_text())["message"]
+            found.append((float(message["extraInfo"]["timestamp"]), path.stem[4:], message["message"]))
+    if not found:
+        return ""
+    _, rank, text = min(found)
+    return f"rank {rank} failed: {text.strip().splitlines()[-1] if text.strip() else text}"
 
 
 class SlurmReplicaNode:

@@ -370,3 +370,39 @@ def test_a_task_whose_interpreter_would_abort_at_exit_still_ends_with_its_result
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Job completed successfully" in proc.stdout + proc.stderr
     assert (tmp_path / "7_0_result.pkl").exists()
+
+
+def test_an_unchanged_torchrun_script_runs_as_a_two_node_job(cluster, tmp_path):
+    """program=script under SLURM: the user's own loop, each task one rank of a world across both nodes, with its
+    own arguments, from the directory it was launched in (beside the project's own train.py and models.py)."""
+    here = tmp_path
+    shutil.copy(Path(__file__).parent / "foreign" / "own_loop" / "my_loop.py", here / "my_loop.py")
+    for name in ("train.py", "models.py"):
+        (here / name).write_text("raise SystemExit('the project\\'s own module was run')\n")
+    run_dir = here / "runs" / "mine"
+    proc = subprocess.run([sys.executable, "-m", "launcher", "launcher=slurm", "trainer.nodes=2", "trainer.procs_per_node=1",
+                           "program=script", "program.script=my_loop.py", "program.args=[--epochs,2,--out,mine.pt]",
+                           f"hydra.run.dir={run_dir}"], cwd=here, capture_output=True, text=True, timeout=120,
+                          )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job_id = submitted_job_id(proc.stdout)
+    wait_until_ended([job_id], run_dir)
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+    assert set(torch.load(here / "mine.pt", weights_only=True)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    logs = subprocess.run([sys.executable, "-m", "launcher.jobs", "logs", str(run_dir)], capture_output=True, text=True)
+    assert "epoch 1 loss" in logs.stdout and "world 2 local_rank 0" in logs.stdout
+
+
+def test_a_crashing_script_fails_its_job_with_its_own_traceback(cluster, tmp_path):
+    shutil.copy(Path(__file__).parent / "foreign" / "own_loop" / "my_loop.py", tmp_path / "my_loop.py")
+    run_dir = tmp_path / "runs" / "crash"
+    proc = subprocess.run([sys.executable, "-m", "launcher", "launcher=slurm", "trainer.nodes=2", "trainer.procs_per_node=1",
+                           "program=script", "program.script=my_loop.py", "program.args=[--crash-at-epoch,1]",
+                           f"hydra.run.dir={run_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job_id = submitted_job_id(proc.stdout)
+    wait_until_ended([job_id], run_dir, want="FAILED")
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed"
+    assert status["error"] == "rank 1 failed: ValueError: my loop broke at epoch 1 on rank 1"  # not rank 0's lost peer
+    assert "my_loop.py" in (slurm_folder(run_dir) / f"{job_id}_1_log.err").read_text()  # its own traceback, in its task's log
