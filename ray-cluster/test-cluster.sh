@@ -51,6 +51,7 @@ print(*tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"], sep="\n
     mkdir -p "$VENV/checkout"
     ln -sfn "$REPO/launcher" "$VENV/checkout/launcher"
     ln -sfn "$REPO/train" "$VENV/checkout/train"
+    ln -sfn "$REPO/ddp_loop.py" "$VENV/checkout/ddp_loop.py"  # program=script's runner (pyproject's py-modules)
     echo "$VENV/checkout" >"$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ddp_launcher.pth"
     ;;
   start)

@@ -4,7 +4,9 @@ lost node, a sweep, and bad input refused before anything is submitted."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -177,3 +179,24 @@ def test_a_sweep_is_submitted_at_once_and_bad_input_is_refused_before_submission
         big.truncate(600 * 2**20)
     message = refused()
     assert "largest: big.bin 600 MiB" in message and "launcher.excludes=[big.bin]" in message
+
+
+def test_an_unchanged_torchrun_script_runs_as_a_two_node_ray_job(cluster, tmp_path):
+    """program=script through the Jobs API: the user's own loop, one rank per node, its own arguments, from the
+    uploaded project (beside its own train.py and models.py, which must not run), and status.json from its end."""
+    shutil.copy(REPO / "tests" / "foreign" / "own_loop" / "my_loop.py", tmp_path / "my_loop.py")
+    for name in ("train.py", "models.py"):
+        (tmp_path / name).write_text(SHADOW.format(name=name))
+    run_dir = tmp_path / "runs" / "mine"
+    proc = launch(tmp_path, "launcher=ray", f"launcher.address={ADDRESS}", "trainer.nodes=2", "trainer.procs_per_node=1",
+                  "program=script", "program.script=my_loop.py", f"program.args=[--epochs,2,--out,{tmp_path / 'mine.pt'}]",
+                  f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [job_id] = submitted(proc.stdout)
+    wait_for(lambda: job_state(job_id) in ("SUCCEEDED", "FAILED", "STOPPED"), 240, "the job to end")
+    logs = jobs("logs", str(run_dir), cwd=tmp_path)
+    assert job_state(job_id) == "SUCCEEDED", logs.stdout[-3000:]
+    assert "epoch 1 loss" in logs.stdout and "world 2 local_rank 0" in logs.stdout
+    assert "own train.py ran" not in logs.stdout + logs.stderr
+    assert set(torch.load(tmp_path / "mine.pt", weights_only=True)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
