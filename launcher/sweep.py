@@ -25,7 +25,8 @@ from train.observe.status import read_status
 
 SUMMARY_FILE = "summary.csv"
 COLUMNS = ("point", "status", "overrides", "global_batch", "final_acc", "best_acc", "final_loss", "samples_per_s",
-           "wall_time_s", "jobs")
+           "wall_time_s", "reported", "jobs")
+REPORT_SKIPS = {"kind", "step", "time"}
 
 
 def point_dirs(sweep_dir: Path) -> list[Path]:
@@ -40,6 +41,7 @@ def summarize_point(run_dir: Path) -> dict:
     records = read_records(run_dir)
     evals = [r for r in records if r["kind"] == "eval"]
     trains = [r for r in records if r["kind"] == "train"]
+    rates = [r["samples_per_s"] for r in trains if "samples_per_s" in r]  # a script's reports have none
     timed = [r["time"] for r in records if "time" in r]
     return {
         "point": run_dir.name,
@@ -50,14 +52,32 @@ def summarize_point(run_dir: Path) -> dict:
         "best_acc": max((r["acc"] for r in evals if "acc" in r), default=None),
         "final_loss": evals[-1]["loss"] if evals else None,
         # the first interval holds the warm-up (allocations, first-touch, compilation): left out when there are more
-        "samples_per_s": statistics.median(r["samples_per_s"] for r in trains[1:] or trains) if trains else None,
+        "samples_per_s": statistics.median(rates[1:] or rates) if rates else None,
         "wall_time_s": timed[-1] - timed[0] if len(timed) > 1 else None,
+        "reported": last_report(run_dir, trains),
         "jobs": " ".join(row["job"] for name in BACKENDS for row in get_backend(name).jobs(run_dir)) or None,
     }
 
 
-def summarize(sweep_dir: Path) -> list[dict]:
-    rows = [summarize_point(run_dir) for run_dir in point_dirs(sweep_dir)]
+def last_report(run_dir: Path, trains: list[dict]) -> str | None:
+    """A script's (program=script) last `ddp_loop.report(step, **metrics)`, as 'name value ... (step S)'; None for
+    the trainer's points, whose figures have columns of their own."""
+    try:
+        program = OmegaConf.load(run_dir / "config.yaml").get("program", {}).get("name")
+    except (OSError, ValueError):
+        return None
+    if program != "script" or not trains:
+        return None
+    last = trains[-1]
+    return " ".join(f"{k} {v:.4g}" for k, v in last.items() if k not in REPORT_SKIPS and isinstance(v, int | float)) \
+        + f" (step {last.get('step')})"
+
+
+def summarize(sweep_dir: Path, only: list[Path] | None = None) -> list[dict]:
+    """The summary of the sweep's points (`only` these run directories: this multirun's, not an earlier one's left
+    in the same folder), written to SWEEP_DIR/summary.csv."""
+    chosen = point_dirs(sweep_dir) if only is None else [p for p in point_dirs(sweep_dir) if p.resolve() in set(only)]
+    rows = [summarize_point(run_dir) for run_dir in chosen]
     with open(sweep_dir / SUMMARY_FILE, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
@@ -83,11 +103,18 @@ def print_table(rows: list[dict], sweep_dir: Path) -> None:
 
 
 class SweepSummary(Callback):
-    """At the end of a multirun: the summary, and a failing exit code if any point failed."""
+    """At the end of a multirun: the summary of its own points, and a failing exit code if any of them failed (the
+    points of an earlier sweep into the same folder are neither shown nor counted)."""
+
+    def __init__(self) -> None:
+        self.points: list[Path] = []
+
+    def on_job_end(self, config: DictConfig, job_return=None, **kwargs) -> None:
+        self.points.append(Path(config.hydra.runtime.output_dir).resolve())
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = summarize(sweep_dir)
+        rows = summarize(sweep_dir, only=self.points)
         print_table(rows, sweep_dir)
         failed = [r["point"] for r in rows if r["status"] == "failed"]
         if failed:

@@ -5,6 +5,7 @@ input refused before start."""
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 import signal
@@ -74,3 +75,23 @@ def test_a_missing_script_or_both_a_script_and_a_module_are_refused_before_start
                    f"hydra.run.dir={here / 'r2'}", cwd=here)
     assert both.returncode == 2 and "give program.script=my_loop.py or program.module=package.module" in both.stderr
     assert not (here / "r1").exists() and not (here / "r2").exists()  # a refusal leaves nothing behind
+
+
+def test_a_sweep_over_the_scripts_arguments_summarises_what_it_reported_and_only_its_own_points(tmp_path):
+    """-m over program.args: one point per argument list, the summary's `reported` column holds each point's last
+    ddp_loop.report; an earlier sweep into the same folder (three points, all failed) is neither shown nor counted."""
+    here = project(tmp_path)
+    sweep = f"hydra.sweep.dir={here / 'sweep'}"
+    failed = run_cli("launcher", "-m", "program=script", "program.script=my_loop.py",
+                     "program.args=[--bogus,1],[--bogus,2],[--bogus,3]", sweep, cwd=here)
+    assert failed.returncode == 1 and "3 of 3 point(s) failed" in failed.stderr
+    ok = run_cli("launcher", "-m", "program=script", "program.script=api_loop.py",
+                 "program.args=[--steps,6,--lr,0.05],[--steps,6,--lr,0.2]", sweep, cwd=here)
+    print(ok.stdout, ok.stderr)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    rows = {r["point"]: r for r in csv.DictReader(open(here / "sweep" / "summary.csv"))}
+    assert len(rows) == 2 and not any("bogus" in point for point in rows)  # this sweep's own points only
+    assert all(r["status"] == "finished" for r in rows.values())
+    reported = [r["reported"] for r in rows.values()]
+    assert all(r.startswith("loss ") and r.endswith("(step 6)") for r in reported)
+    assert reported[0] != reported[1]  # each point's own figures (another lr)

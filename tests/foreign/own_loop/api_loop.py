@@ -16,6 +16,7 @@ import ddp_loop
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--step-delay-ms", type=int, default=0)
+parser.add_argument("--lr", type=float, default=0.05)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -23,7 +24,7 @@ rank = dist.get_rank()
 torch.manual_seed(0)
 torch.set_num_threads(1)
 model = DistributedDataParallel(torch.nn.Linear(8, 2))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
 ckpt = ddp_loop.checkpoint_dir() / "last.pt"
 start = 0
 if ckpt.exists():
