@@ -30,7 +30,7 @@ from launcher.agent import failure_headline, failure_report, run_agent
 from launcher.backend import Backend, check_run_dir_free
 from launcher.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.lighthouse import LIGHTHOUSE_ENV, die_with_launcher, meeting_place
-from launcher.network import check_network, hosts_rendezvous, port_in_use
+from launcher.network import NODE_ADDR_ENV, check_network, hosts_rendezvous, port_in_use
 from launcher.schema import Config
 from launcher.script import script_command, script_env
 from train.dist import available_cores
@@ -59,6 +59,9 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
         monitor_interval=cfg.launcher.monitor_interval_s,
         # Where the agent keeps each attempt's error files (a failed rank's traceback); stdout stays on the console.
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
+        # The address the rendezvous publishes as MASTER_ADDR: the node's IP where the engine knows it (a Ray
+        # node's; a KubeRay pod answers by IP only), else torch looks up this machine's FQDN.
+        local_addr=os.environ.get(NODE_ADDR_ENV) or None,
     )
     # A field of LaunchConfig since torch 2.13, set after construction so that torch 2.11 takes it too (launcher.agent).
     config.shutdown_timeout = cfg.launcher.shutdown_timeout_s

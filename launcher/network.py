@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from launcher.schema import Config
 
+NODE_ADDR_ENV = "LAUNCHER_NODE_ADDR"  # a node's IP, set by a cluster engine's node agent (launcher/ray_job.py)
+
 
 @dataclass
 class Finding:
@@ -89,8 +91,13 @@ def hosts_rendezvous(host: str) -> bool:
         return True
     try:
         return ipaddress.ip_address(host).is_loopback or bindable(host)
-    except ValueError:  # a name: another machine's
+    except ValueError:  # a name: this machine's if it resolves to one of its addresses (a SLURM node list names a
+        pass            # node as the scheduler does, "n1", where gethostname() may say "n1.cluster.local" or else)
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except OSError:  # it does not resolve here: not this machine
         return False
+    return any(ipaddress.ip_address(a).is_loopback or bindable(a) for a in addresses)
 
 
 def bindable(address: str) -> bool:

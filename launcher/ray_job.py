@@ -26,11 +26,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.backend import lease_holder_alive
 from launcher.lease import Lease, Renewer, read_lease
-from train.writer import LEASE_KEY_ENV
+from launcher.network import NODE_ADDR_ENV
 from launcher.ray_backend import bundle
 from launcher.schema import Config
 from train.host import PARENT_ENV, USER_PATH_ENV
 from train.observe.status import read_status, write_status
+from train.writer import LEASE_KEY_ENV
 
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM
 
@@ -61,7 +62,8 @@ class NodeAgent:
 
     async def run(self, snapshot: str, endpoint: str, restarts: int, lease_key: str) -> int:
         env = {**os.environ, **user_path_apart(os.environ, os.getcwd()), PARENT_ENV: str(os.getpid()),
-               "LAUNCHER_RESTARTS": str(restarts), LEASE_KEY_ENV: lease_key}  # the driver's lease: its ranks write
+               "LAUNCHER_RESTARTS": str(restarts), LEASE_KEY_ENV: lease_key,  # the driver's lease: its ranks write
+               NODE_ADDR_ENV: ray.util.get_node_ip_address()}  # MASTER_ADDR by IP, not a name pods cannot resolve
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-u", "-P", "-m", "launcher.node", snapshot, endpoint, env=env)
         if self.stopping:

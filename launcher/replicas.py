@@ -19,6 +19,20 @@ from train.host import die_with_parent
 from train.parallel.layout import procs_per_node
 
 
+def group_devices(visible: str | None, index: int, nproc: int) -> str:
+    """CUDA_VISIBLE_DEVICES for the `index`-th group of a node, `nproc` GPUs each, taken from the GPUs this process
+    was given (a Ray actor's, a SLURM task's `CUDA_VISIBLE_DEVICES=4,5,6,7`: their names, UUIDs included), or the
+    node's 0..n-1 when nothing narrowed them."""
+    given = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
+    if given is None:
+        return ",".join(str(index * nproc + i) for i in range(nproc))
+    if len(given) < (index + 1) * nproc:
+        raise SystemExit(f"error: replica group {index} of this node needs GPUs {index * nproc}..{(index + 1) * nproc - 1} "
+                         f"of the {len(given)} this process was given (CUDA_VISIBLE_DEVICES={visible}): give the node "
+                         f"trainer.gpus x the groups per node, or fewer trainer.replica_groups.")
+    return ",".join(given[index * nproc:(index + 1) * nproc])
+
+
 def group_main(snapshot: str, group: int) -> int:
     """One group's elastic agent: this group's share of the node's processes, its own rendezvous and restarts."""
     die_with_parent()
@@ -31,7 +45,7 @@ def group_main(snapshot: str, group: int) -> int:
     config = dataclasses.replace(config, min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                                  run_id=f"{config.run_id}-group{group}", rdzv_endpoint="localhost:0")
     if cfg.trainer.gpus:  # this group's GPUs of the node
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(group % per_node * nproc + i) for i in range(nproc))
+        os.environ["CUDA_VISIBLE_DEVICES"] = group_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), group % per_node, nproc)
     started = time.monotonic()
     code = run_workers(cfg, run_dir, snapshot, config)
     print(f"replica group {group} ended with {code} after {time.monotonic() - started:.1f} s", flush=True)

@@ -90,6 +90,8 @@ def test_a_two_node_run_through_ray_equals_the_same_world_run_locally(cluster, t
     (job_id,) = submitted(proc.stdout)
     assert f"Ray job {job_id} ended: SUCCEEDED; the run is finished" in proc.stdout
     assert_same_weights(final_checkpoint(run_dir), final_checkpoint(two_process_ddp))
+    # The ranks met at node 0's IP, as Ray knows it (a KubeRay pod's FQDN resolves nowhere), not at a looked-up name
+    assert json.loads((run_dir / "plan.json").read_text())["master_addr"] in ("127.0.0.2", "127.0.0.3")
     status = jobs("status", str(run_dir), cwd=REPO)  # not beside their launcher.py
     assert "run: free (no lease)" in status.stdout and f"{job_id}  SUCCEEDED" in status.stdout
     logs = jobs("logs", str(run_dir), "--lines", "200", cwd=REPO)  # not beside their launcher.py

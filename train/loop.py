@@ -105,7 +105,8 @@ def fit(run: Run) -> Outcome:
     metrics = build_metrics(env, cfg.loggers, tracked_run(run))
     hosts = distributed.gather_to_main(socket.gethostname(), run.control)  # where each rank runs, for the record
     if env.writes:
-        record = {**plan.to_dict(), "hosts": hosts, "threads_per_process": torch.get_num_threads()}
+        record = {**plan.to_dict(), "hosts": hosts, "threads_per_process": torch.get_num_threads(),
+                  "master_addr": os.environ.get("MASTER_ADDR")}  # where the ranks met (an address every node reaches)
         (run.run_dir / PLAN_FILE).write_text(json.dumps(record, indent=2) + "\n")
     console.print(describe_plan(run))
     metrics.note("plan", describe_plan(run), progress.step)
