@@ -400,3 +400,21 @@ def test_a_rank_given_another_runs_port_stops_at_once_instead_of_joining_it():
     assert f"MASTER_PORT={other.port} on 127.0.0.1 serves another run (attempt 'run-b:0'), not this one " \
            f"('run-a:0')" in proc.stdout
     assert float(proc.stdout.split("refused after ")[1].split(" s")[0]) < 10  # at once, not at the 20 s timeout
+
+
+def test_a_rank_raises_its_open_files_limit_to_the_hard_limit(tmp_path):
+    """At 512 ranks two world-sized gloo groups hold ~1,022 sockets per rank: a soft limit of 1,024 (most
+    distributions') fails a connect midway through the rendezvous. A rank started under a low soft limit raises it."""
+    import resource
+    import subprocess
+    import sys
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(256, hard)
+    probe = ("import resource; from train.host import open_files_to_hard_limit; open_files_to_hard_limit(); "
+             "print(*resource.getrlimit(resource.RLIMIT_NOFILE))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)))
+    assert done.returncode == 0, done.stderr
+    raised, kept = (int(v) for v in done.stdout.split())
+    assert kept == hard and raised == (hard if hard != resource.RLIM_INFINITY else 1 << 20)

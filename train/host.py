@@ -63,6 +63,24 @@ PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 
 
+def open_files_to_hard_limit() -> int:
+    """Raise this process's soft limit of open files (RLIMIT_NOFILE) to its hard limit, and return it. A rank holds a
+    socket per peer in each world-sized gloo group: at 512 ranks two such groups are ~1,022 sockets, past the 1,024
+    that most distributions set soft (the hard limit is usually far higher), and the 1,025th connect fails midway
+    through a rendezvous. torchrun, Ray and most servers raise it the same way."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):  # refused (a container's policy): the soft limit stays what it was
+            pass
+    return soft
+
+
 def die_with_parent() -> None:
     """Under a launcher that sets PARENT_ENV, this process is killed when its parent (the launcher) dies."""
     parent = os.environ.get(PARENT_ENV, "")

@@ -28,7 +28,7 @@ from train.data.source import TrainSource
 from train.dist import DistEnv
 from train.fault_tolerance import Alone, ReplicaGroups, build_replicas
 from train.finite import FiniteWatch
-from train.host import freeze_imported_objects, keep_freed_memory
+from train.host import freeze_imported_objects, keep_freed_memory, open_files_to_hard_limit
 from train.loop import Outcome, fit
 from train.observe.hang import HangReports, flight_recorder_env
 from train.observe.throughput import flops_per_token
@@ -45,6 +45,7 @@ log = logging.getLogger("train")
 
 def main(config_path: str | Path) -> Outcome:
     freeze_imported_objects()
+    open_files_to_hard_limit()  # a socket per peer per world-sized gloo group: ~1,022 at 512 ranks
     config_path = Path(config_path).resolve()
     cfg = load_config(config_path)
     add_import_path(cfg)
