@@ -63,6 +63,10 @@ class Backend:
         return []
 
 
+class LogsUnavailable(RuntimeError):
+    """A job's log that its backend cannot give now (the message says why and where else to look)."""
+
+
 class SubmittingBackend(Backend):
     """A backend that submits the run as a job (SLURM, Ray), which holds the run directory from then on: the launch
     holds it only to check it, submit and write the job's lease."""

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from launcher.backend import BACKENDS, get_backend, lease_holder_alive
+from launcher.backend import BACKENDS, LogsUnavailable, get_backend, lease_holder_alive
 from launcher.lease import read_lease
 from launcher.progress import print_progress
 from launcher.sweep import point_dirs
@@ -61,7 +61,11 @@ def status(run_dir: Path) -> int:
 
 def logs(run_dir: Path, task: int, lines: int, err: bool) -> int:
     for backend in backends():
-        text = backend.logs(run_dir, task, err)
+        try:
+            text = backend.logs(run_dir, task, err)
+        except LogsUnavailable as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
         if text is not None:
             print("\n".join(text.splitlines()[-lines:]))
             return 0

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 
-from launcher.backend import SubmittingBackend
+from launcher.backend import LogsUnavailable, SubmittingBackend
 from launcher.lease import Lease, release, take_lease
 from launcher.schema import Config
 from train.observe.status import read_status, write_status
@@ -229,7 +229,15 @@ class Ray(SubmittingBackend):
         jobs = recorded_jobs(run_dir)
         if not jobs:
             return None
-        return client(jobs[-1]["address"]).get_job_logs(jobs[-1]["job_id"])
+        job_id, address = jobs[-1]["job_id"], jobs[-1]["address"]
+        try:
+            return client(address).get_job_logs(job_id)
+        except Exception as error:  # noqa: BLE001 - a cluster that is down, or no longer knows the job
+            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            raise LogsUnavailable(
+                f"the log of Ray job {job_id} is kept by the cluster at {address}, which does not answer ({reason}): "
+                f"start the cluster again, or read what the run wrote itself: {run_dir}/metrics.jsonl, "
+                f"{run_dir}/status.json, {run_dir}/hang/") from None
 
     def cancel_jobs(self, run_dir: Path, held: set[str]) -> list[str]:
         stopped = []

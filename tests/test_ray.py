@@ -202,3 +202,18 @@ def test_an_unchanged_torchrun_script_runs_as_a_two_node_ray_job(cluster, tmp_pa
     assert "own train.py ran" not in logs.stdout + logs.stderr
     assert set(torch.load(tmp_path / "mine.pt", weights_only=True)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+
+
+def test_the_logs_of_a_ray_run_whose_cluster_is_down_say_so_and_where_else_to_look(tmp_path):
+    """No cluster needed: a run directory that recorded a job at an address where nothing answers (a cluster torn
+    down after the run). Before: Ray's ConnectionError traceback."""
+    from launcher.ray_backend import record_job
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    record_job(run_dir, "raysubmit_gone", "http://127.0.0.9:8265")
+    proc = run_cli("launcher.jobs", "logs", str(run_dir), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "error: the log of Ray job raysubmit_gone is kept by the cluster at http://127.0.0.9:8265, which does not " \
+           "answer" in proc.stderr
+    assert f"{run_dir}/metrics.jsonl" in proc.stderr
