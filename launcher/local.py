@@ -26,7 +26,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig
 
-from launcher.agent import failure_headline, failure_report, run_agent
+from launcher.agent import failure_headline, failure_report, restart_would_repeat, run_agent
+from train.finite import NONFINITE_EXIT_CODE
 from launcher.backend import Backend, check_run_dir_free
 from launcher.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.lighthouse import LIGHTHOUSE_ENV, die_with_launcher, meeting_place
@@ -133,7 +134,9 @@ def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig
     except ChildFailedError as error:
         print(f"error: training failed.\n{failure_report(error.failures)}", file=sys.stderr)
         write_status(run_dir, "failed", error=failure_headline(error.failures))
-        return 1
+        # A loss that was not finite: the ranks' exit code (65, EX_DATAERR) is the launch's, as docs/watching.md says,
+        # so that a script or a scheduler can tell it from a crash (a rerun would meet it again)
+        return NONFINITE_EXIT_CODE if restart_would_repeat(error.failures) else 1
     except SignalException as error:
         failures = getattr(error, "failures", {})
         if failures:  # the stop may not have saved: say why, as for any failure, not that all is well
