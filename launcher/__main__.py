@@ -46,7 +46,18 @@ def cli() -> None:
         zygote.stop_forked()
 
 
+MULTIRUN_FLAGS = ("-m", "--multirun")
+
+
+def multirun_flag_first(argv: list[str]) -> list[str]:
+    """`-m` / `--multirun` moved before the overrides: Hydra's parser takes it only there ("unrecognized arguments"
+    for every override after it otherwise), while users write it anywhere, as after `python -m launcher A=1 -m`."""
+    flags = [a for a in argv if a in MULTIRUN_FLAGS]
+    return [*flags[:1], *(a for a in argv if a not in MULTIRUN_FLAGS)] if flags else argv
+
+
 def compose_and_launch() -> None:
+    sys.argv[1:] = multirun_flag_first(sys.argv[1:])
     register_configs()
     register_resolvers()
     # Hydra's errors reach us (not only its printed summary) so that an override of a missing key is explained.

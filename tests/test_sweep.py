@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from conftest import FAST, read_metrics
+from conftest import FAST, read_metrics, run_cli
 from test_slurm import cluster, state, wait_until_ended  # noqa: F401  (the cluster fixture)
 
 POINT = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=2", "trainer.epochs=1"]
@@ -84,3 +84,12 @@ def test_a_slurm_sweep_submits_every_point_at_once(cluster, launch, tmp_path):  
     rows = read_summary(sweep_dir)
     assert [r["status"] for r in rows.values()] == ["finished", "finished"]
     assert all(float(r["final_acc"]) > 0 for r in rows.values())
+
+
+def test_the_multirun_flag_is_taken_wherever_it_is_written(tmp_path):
+    """`python -m launcher A=1,2 -m` (the flag after the overrides) failed in Hydra's parser: "unrecognized
+    arguments" for every override after it."""
+    proc = run_cli("launcher", "trainer.max_steps=1", "optim.lr=0.1,0.2", "-m", "launcher.dry_run=true",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "sweep").glob("optim.lr=*")) == ["optim.lr=0.1", "optim.lr=0.2"]
