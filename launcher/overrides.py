@@ -1,4 +1,6 @@
-"""An override that names a key the config does not have, said as the launcher says every other mistake.
+"""Hydra's failures to read the command line, said as the launcher says every other mistake: an override that names a
+key the config does not have, a config of the user's own that Hydra was not told where to find, a value that needed
+quoting.
 
 Hydra's own message ("Could not override 'trainer.stop_check_evry'. To append to your config use +...") sends a
 user with a misspelt key to add it as a new one. Here the node's own keys are listed with the closest one, and the
@@ -9,14 +11,26 @@ does not have yet.
 from __future__ import annotations
 
 from difflib import get_close_matches
+from pathlib import Path
 
+from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 FREE_FORM = ("model", "task", "data.train", "data.eval", "data.collate_fn", "optim.optimizer", "optim.schedule", "loggers")
 
 
+# What Hydra's override grammar takes only inside quotes (its own, within the shell's): '=' in a value, shell-like
+# characters, whitespace.
+NEEDS_QUOTES = ("=", ";", "$", "(", ")", "`", "|", "&", "<", ">", "\n", " ", "\t", "#", "'", '"')
+
+
 def explain(error: BaseException) -> str | None:
-    """The launcher's message for Hydra's failure to apply an override to a missing key; None for anything else."""
+    """The launcher's message for Hydra's failure to read the command line (a missing key, a group option of the
+    user's own without --config-dir, a value that needed quoting); None for anything else."""
+    if isinstance(error, MissingConfigException):
+        return explain_missing_option(error)
+    if isinstance(error, OverrideParseException):
+        return explain_unparsed(error)
     cause = error.__cause__
     if not isinstance(cause, (ConfigKeyError, ConfigAttributeError)) or cause.parent_node is None:
         return None
@@ -42,3 +56,33 @@ def describe(error: BaseException) -> str:
     """Hydra's message, with the cause it wraps (the value that did not fit its type, ...)."""
     cause = error.__cause__
     return f"{error} ({' '.join(str(cause).split())})" if cause is not None and str(cause) not in str(error) else str(error)
+
+
+def explain_missing_option(error: MissingConfigException) -> str | None:
+    """`+experiment=mine` where mine.yaml is the user's own (conf/experiment/mine.yaml of the project): Hydra looks in
+    the launcher's config only unless --config-dir names the project's."""
+    missing = error.missing_cfg_file or ""
+    group, _, option = missing.rpartition("/")
+    if not group or not option:
+        return None
+    options = f" The launcher's own: {', '.join(error.options)}." if error.options else ""
+    found = sorted(str(p.parent.parent) for p in Path.cwd().glob(f"*/{group}/{option}.yaml")) + \
+        sorted(str(p.parent.parent) for p in Path.cwd().glob(f"*/*/{group}/{option}.yaml"))
+    if found:
+        where = str(Path(found[0]).relative_to(Path.cwd()))
+        return (f"{group}={option}: there is no {group} {option!r} in the launcher's config, but {where}/{group}/"
+                f"{option}.yaml is here: add --config-dir {where} (before the overrides) so that Hydra looks there too.")
+    return (f"{group}={option}: no {group} {option!r} in the launcher's config, nor in ./conf or ./*/conf.{options} A "
+            f"config of your own: put it in CONF/{group}/{option}.yaml of your project and add --config-dir CONF.")
+
+
+def explain_unparsed(error: OverrideParseException) -> str:
+    """An override Hydra's grammar cannot read: most often a value holding '=', a shell character or a newline."""
+    override = error.override or ""
+    key, _, value = override.partition("=")
+    odd = [c for c in NEEDS_QUOTES if c in value]
+    if key and odd:
+        shown = ", ".join(repr(c) for c in odd)
+        return (f"{key}: its value {value!r} holds {shown}, which Hydra's override grammar reads only inside quotes of "
+                f"its own: write it as '{key}=\"{value}\"' (the outer quotes for the shell, the inner for Hydra).")
+    return f"{override!r} is not an override Hydra can read ({' '.join(str(error.message).split())}); write KEY=VALUE."

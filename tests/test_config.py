@@ -9,7 +9,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from conftest import CONF_DIR, typed
+from conftest import CONF_DIR, run_cli, typed
 from launcher.schema import Config
 from launcher.validate import ConfigError, validate
 from train.config import TrainConfig, load_config
@@ -310,3 +310,30 @@ def test_a_target_the_trainer_calls_later_without_partial_is_refused_with_the_fi
     assert "data.collate_fn._target_=torch.utils.data.default_collate is called by the trainer later (with each " \
            "batch's list of samples)" in \
         problems("+data.collate_fn={_target_: torch.utils.data.default_collate}", run_dir=tmp_path)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("hydra.run.dir=runs/a=b", "hydra.run.dir: its value 'runs/a=b' holds '=', which Hydra's override grammar reads "
+                               "only inside quotes of its own: write it as 'hydra.run.dir=\"runs/a=b\"'"),
+    ("name=a;b", "name: its value 'a;b' holds ';'"),
+    ("name=first\nsecond", "holds '\\n'"),
+])
+def test_a_value_that_needed_quotes_is_named_with_the_quoting_that_works(tmp_path, override, expected):
+    proc = run_cli("launcher", override, "launcher.dry_run=true", cwd=tmp_path)
+    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+    assert "LexerNoViableAltException" not in proc.stderr and "mismatched input" not in proc.stderr
+
+
+def test_an_experiment_of_the_users_own_without_config_dir_says_to_add_it(tmp_path):
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text("# @package _global_\nname: mine\n")
+    proc = run_cli("launcher", "+experiment=mine", "launcher.dry_run=true", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "conf/experiment/mine.yaml is here: add --config-dir conf (before the overrides)" in proc.stderr
+    nowhere = run_cli("launcher", "+experiment=nosuch", "launcher.dry_run=true", cwd=tmp_path)
+    assert nowhere.returncode == 2 and "The launcher's own: digits, gpt2_124m" in nowhere.stderr
+    assert "put it in CONF/experiment/nosuch.yaml of your project and add --config-dir CONF" in nowhere.stderr
+    quoted = run_cli("launcher", "--config-dir", "conf", "+experiment=mine", 'hydra.run.dir="r=1"',
+                     "launcher.dry_run=true", cwd=tmp_path)  # what the messages say works
+    assert quoted.returncode == 0, quoted.stderr[-2000:]
+    assert (tmp_path / "r=1" / "config.yaml").is_file()
