@@ -314,3 +314,16 @@ def test_a_dangling_checkpoints_link_is_refused_before_start(launch, tmp_path):
     assert proc.returncode == 2
     assert f"{run_dir / 'checkpoints'} is a link to {tmp_path / 'scratch-not-mounted'}, which does not exist" in proc.stderr
     assert "FileExistsError" not in proc.stderr
+
+
+def test_weights_in_torchs_legacy_format_are_read_and_bytes_that_are_none_are_named_so(tmp_path):
+    """checkpoint.init_from: a state dict saved in torch's pre-1.6 format was refused with torch's mmap message (it
+    can be read, without mmap), and a file of other bytes was described by torch's zip-format text."""
+    from train.checkpoint.weights import read_weights
+
+    torch.save({"0.weight": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    assert torch.equal(read_weights(tmp_path / "legacy.pt")["0.weight"], torch.ones(2))
+    (tmp_path / "notes.pt").write_text("not weights\n")
+    with pytest.raises(ValueError, match=r"notes.pt is not a file of weights: neither what torch.save writes nor "
+                                         r"\.safetensors \(it starts with b'not weig'\)\. Give a state dict"):
+        read_weights(tmp_path / "notes.pt")

@@ -7,6 +7,7 @@ checked on the meta device (strict: every key, every shape), so a mismatch is a 
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import torch
@@ -21,7 +22,17 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         except ImportError:
             raise ValueError(f"{path}: reading .safetensors needs the safetensors library: pip install safetensors") from None
         return load_file(str(path))
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if zipfile.is_zipfile(path):  # torch.save's format since torch 1.6: mapped, not read into memory
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    else:  # torch's legacy format (torch.save(..., _use_new_zipfile_serialization=False)), or no weights at all
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - pickle's and torch's many errors for bytes that are not weights
+            raise ValueError(
+                f"{path} is not a file of weights: neither what torch.save writes nor .safetensors (it starts with "
+                f"{path.open('rb').read(8)!r}). Give a state dict saved with torch.save(model.state_dict(), FILE), "
+                f"a .safetensors file, or a run's export (python -m launcher.export RUN_DIR --out model.pt)."
+            ) from error
     if isinstance(state, dict) and isinstance(state.get("model"), dict):  # one of our checkpoint files
         state = state["model"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
