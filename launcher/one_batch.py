@@ -88,6 +88,33 @@ def check_data(cfg: Config, train, evaluation, problems: list[str]) -> None:
 LABELS_READ = 256  # samples of a map-style set whose labels are checked (reading all of them could take minutes)
 
 
+def check_scores_shape(cfg: Config, task, output, targets, problems: list[str]) -> None:
+    """A classifier's scores against its labels' shape: [N, C] for labels [N] ([N, C, ...] for [N, ...]). Else the
+    loss fails with a message about something else (a (N,) output: "expected floating point target"; a
+    (N, 10, 2) one: read as 2 classes)."""
+    from train.tasks import Classification, logits_of
+
+    if not isinstance(task, Classification) or not isinstance(targets, torch.Tensor) or targets.is_floating_point():
+        return
+    scores = logits_of(output)
+    if not isinstance(scores, torch.Tensor) or targets.dim() < 1:
+        return
+    if scores.dim() == targets.dim() + 1 and scores.shape[0] == targets.shape[0] and scores.shape[2:] == targets.shape[1:]:
+        return
+    n, labels = targets.shape[0], list(targets.shape)
+    text = (f"model._target_={cfg.model['_target_']} returns scores of shape {list(scores.shape)} for labels of shape "
+            f"{labels}: task=classification needs one score per class and sample, [{n}, C]"
+            + (f" (or [{n}, C, {', '.join(map(str, labels[1:]))}] for these labels)" if len(labels) > 1 else "") + ". ")
+    if scores.dim() <= targets.dim():
+        text += ("Give the model a last layer as wide as the classes (e.g. nn.Linear(..., num_classes)); one number per "
+                 "sample is a regression: task=regression with float targets.")
+    else:
+        text += (f"Its extra dimensions ({list(scores.shape[1:-1]) if len(labels) == 1 else list(scores.shape)}) are not "
+                 f"the labels': flatten or pool them in the model's forward (e.g. .flatten(1) before the last layer, or "
+                 f".mean(1)).")
+    problems.append(text)
+
+
 def check_labels(cfg: Config, task, output, train, problems: list[str]) -> None:
     """A classifier's labels against its output's width: every label of a built-in set (or of a set with a
     `targets` list, torchvision's convention), the first LABELS_READ samples' otherwise."""
@@ -173,6 +200,9 @@ def check_one_batch(cfg: Config, problems: list[str]) -> None:
         inputs, targets = task.split(batch)
         with torch.no_grad():
             output = model_call(task)(model, inputs)
+            check_scores_shape(cfg, task, output, targets, problems)  # shapes: on the meta device too
+            if len(problems) > before:
+                return
             if small:  # real values: a label the output cannot score is named, not an IndexError in the loss
                 check_labels(cfg, task, output, train, problems)
                 if len(problems) > before:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import typing
 from difflib import get_close_matches
 
 from torch.optim.lr_scheduler import LRScheduler
@@ -152,6 +153,40 @@ def check_target(key: str, node, problems: list[str], call: str = "call") -> Non
                             f"not give: add {' '.join(f'{key}.{m}=...' for m in missing)} (or set it in your config file).")
         else:
             problems.append(f"{key}: the config's arguments do not fit {node['_target_']}{signature}: {error}.")
+        return
+    check_argument_types(key, node, target, signature, args, problems)
+
+
+SCALARS = (int, float, bool, str)
+
+
+def _scalar_hint(hint):
+    """int, float, bool or str from an annotation (Optional[X] and X | None too); None for anything else."""
+    if hint in SCALARS:
+        return hint
+    members = [a for a in typing.get_args(hint) if a is not type(None)]
+    return members[0] if len(members) == 1 and members[0] in SCALARS else None
+
+
+def check_argument_types(key: str, node, target, signature, args: dict, problems: list[str]) -> None:
+    """A value of the wrong kind for an argument annotated int, float, bool or str (`model.width=wide` for
+    `width: int`): named now, instead of a failure deep inside the model after the ranks have started."""
+    try:
+        hints = typing.get_type_hints(target.__init__ if isinstance(target, type) else target)
+    except Exception:  # noqa: BLE001 - annotations that do not evaluate here: nothing to check against
+        return
+    for name, value in args.items():
+        hint = _scalar_hint(hints.get(name))
+        if hint is None or value is None or isinstance(value, (dict, list)):
+            continue
+        fits = (isinstance(value, bool) if hint is bool else
+                isinstance(value, int) and not isinstance(value, bool) if hint is int else
+                isinstance(value, (int, float)) and not isinstance(value, bool) if hint is float else True)
+        if not fits:
+            default = signature.parameters[name].default if name in signature.parameters else inspect.Parameter.empty
+            shown = f" (default {default!r})" if default is not inspect.Parameter.empty else ""
+            problems.append(f"{key}.{name}={value!r}: {node['_target_']} takes {name}: {hint.__name__}{shown}, not "
+                            f"a {type(value).__name__}: give {'a number' if hint is float else f'an {hint.__name__}' if hint is int else 'true or false'}.")
 
 
 def check_schedule(node, problems: list[str]) -> None:

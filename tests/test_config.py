@@ -244,7 +244,7 @@ def test_cli_refuses_more_gpus_than_present(launch, tmp_path):
 def test_cli_refuses_an_experiment_that_does_not_exist(launch, tmp_path):
     proc = launch("+experiment=imagenet")
     assert proc.returncode != 0
-    assert "Could not find 'experiment/imagenet'" in proc.stderr
+    assert "no experiment 'imagenet' in the launcher's config" in proc.stderr
     assert "digits" in proc.stderr and "resnet18" in proc.stderr  # the available options are listed
     _assert_nothing_started(tmp_path)
 
@@ -252,7 +252,7 @@ def test_cli_refuses_an_experiment_that_does_not_exist(launch, tmp_path):
 def test_cli_refuses_an_unknown_model_group(launch, tmp_path):
     proc = launch("model=transformer")
     assert proc.returncode != 0
-    assert "Could not find 'model/transformer'" in proc.stderr and "resnet18" in proc.stderr
+    assert "no model 'transformer' in the launcher's config" in proc.stderr and "resnet18" in proc.stderr
 
 
 def test_cli_refuses_a_run_dir_that_is_not_writable(launch, tmp_path):
@@ -337,3 +337,52 @@ def test_an_experiment_of_the_users_own_without_config_dir_says_to_add_it(tmp_pa
                      "launcher.dry_run=true", cwd=tmp_path)  # what the messages say works
     assert quoted.returncode == 0, quoted.stderr[-2000:]
     assert (tmp_path / "r=1" / "config.yaml").is_file()
+
+
+SHAPES = '''
+from torch import nn
+
+
+class OnePerSample(nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.layer = nn.Linear(256, width)
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.out(self.layer(x.flatten(1))).squeeze(1)
+
+
+class ExtraDimension(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(256, 20)
+
+    def forward(self, x):
+        return self.layer(x.flatten(1)).view(-1, 10, 2)
+'''
+
+
+@pytest.mark.parametrize("model, expected", [
+    ("OnePerSample", "returns scores of shape [64] for labels of shape [64]: task=classification needs one score per "
+                     "class and sample, [64, C]. Give the model a last layer as wide as the classes"),
+    ("ExtraDimension", "returns scores of shape [64, 10, 2] for labels of shape [64]: task=classification needs one "
+                       "score per class and sample, [64, C]. Its extra dimensions ([10]) are not the labels'"),
+])
+def test_a_classifiers_output_of_the_wrong_shape_is_named_by_its_shape(tmp_path, model, expected):
+    """Before: a (N,) output was told to convert to .float(); a (N, 10, 2) one "scores 2 classes"."""
+    (tmp_path / "shapes.py").write_text(SHAPES)
+    proc = run_cli("launcher", "~model", f"+model._target_=shapes.{model}", "launcher.dry_run=true", cwd=tmp_path)
+    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+    assert ".float()" not in proc.stderr and "scores 2 classes" not in proc.stderr
+
+
+def test_a_value_of_the_wrong_kind_for_an_annotated_argument_is_refused_before_start(tmp_path):
+    """`width: int` given 'wide': before, the dry run passed and the ranks failed in torch.empty()."""
+    (tmp_path / "shapes.py").write_text(SHAPES)
+    proc = run_cli("launcher", "~model", "+model._target_=shapes.OnePerSample", "+model.width=wide",
+                   "launcher.dry_run=true", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "model.width='wide': shapes.OnePerSample takes width: int (default 8), not a str: give an int." in proc.stderr
+    builtin = run_cli("launcher", "model.width=wide", "launcher.dry_run=true", cwd=tmp_path)
+    assert builtin.returncode == 2 and "train.models.vision.cnn takes width: int (default 32)" in builtin.stderr
