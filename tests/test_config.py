@@ -386,3 +386,17 @@ def test_a_value_of_the_wrong_kind_for_an_annotated_argument_is_refused_before_s
     assert "model.width='wide': shapes.OnePerSample takes width: int (default 8), not a str: give an int." in proc.stderr
     builtin = run_cli("launcher", "model.width=wide", "launcher.dry_run=true", cwd=tmp_path)
     assert builtin.returncode == 2 and "train.models.vision.cnn takes width: int (default 32)" in builtin.stderr
+
+
+def test_an_empty_training_set_is_named_as_empty_not_as_a_batch_too_large(tmp_path):
+    (tmp_path / "emptyds.py").write_text(
+        "import torch\nfrom torch.utils.data import Dataset\n\n\nclass Empty(Dataset):\n    def __init__(self, n: int = 0):\n"
+        "        self.n = n\n\n    def __len__(self):\n        return self.n\n\n    def __getitem__(self, i):\n"
+        "        return torch.zeros(1, 16, 16), 0\n")
+    (tmp_path / "conf" / "data").mkdir(parents=True)
+    (tmp_path / "conf" / "data" / "empty.yaml").write_text(
+        "# @package data\ntrain: {_target_: emptyds.Empty}\neval: {_target_: emptyds.Empty, n: 10}\n")
+    proc = run_cli("launcher", "--config-dir", "conf", "data=empty", "launcher.dry_run=true", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "data.train (emptyds.Empty) is empty: its __len__ is 0, so there is nothing to train on" in proc.stderr
+    assert "lower data.batch_size" not in proc.stderr

@@ -68,6 +68,11 @@ def global_batch_size(cfg: TrainConfig, world_size: int) -> int:
 
 def make_plan(cfg: TrainConfig, world_size: int, train_size: int) -> Plan:
     copies = replicas(cfg, world_size)
+    if train_size == 0:  # no batch size fits: the data is what to look at
+        raise ValueError(
+            f"data.train ({cfg.data.train.get('_target_', '?')}) is empty: its __len__ is 0, so there is nothing to "
+            f"train on. Check the data's path and split (data.root, the files it reads, a filter that drops every "
+            f"sample), or the data set's __len__.")
     per_rank = math.ceil(train_size / copies)  # DistributedSampler pads to this
     steps_per_epoch = per_rank // cfg.data.batch_size // cfg.trainer.accumulate
     if steps_per_epoch < 1:
