@@ -31,7 +31,7 @@ from train.finite import NONFINITE_EXIT_CODE
 from launcher.backend import Backend, check_run_dir_free
 from launcher.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.lighthouse import LIGHTHOUSE_ENV, die_with_launcher, meeting_place
-from launcher.network import NODE_ADDR_ENV, check_network, hosts_rendezvous, port_in_use
+from launcher.network import NODE_ADDR_ENV, check_network, hosts_rendezvous, port_in_use, resolution_error
 from launcher.schema import Config
 from launcher.script import script_command, script_env
 from train.dist import available_cores
@@ -116,6 +116,10 @@ def _check_endpoint(cfg: Config, problems: list[str]) -> None:
     host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit():
         problems.append(f"launcher.rdzv_endpoint={endpoint!r} is not HOST:PORT, e.g. node0:29400.")
+    elif (unresolved := resolution_error(host)) is not None:  # else torch retries for minutes, in C++ frames
+        problems.append(f"launcher.rdzv_endpoint={endpoint}: {host!r} does not resolve on this machine ({unresolved}): "
+                        f"give node 0's name or IP address as every node resolves it (python -m launcher.doctor "
+                        f"launcher.rdzv_endpoint={endpoint} checks the network).")
     elif hosts_rendezvous(host) and port_in_use(int(port)):
         problems.append(
             f"launcher.rdzv_endpoint={endpoint}: port {port} is already in use on this machine, which hosts the "

@@ -83,6 +83,15 @@ def check_network(cfg: Config, host: str | None = None) -> list[Finding]:
     return findings
 
 
+def resolution_error(host: str) -> str | None:
+    """Why `host` does not resolve here (the resolver's words), or None if it does (an IP address always does)."""
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
+
+
 def hosts_rendezvous(host: str) -> bool:
     """Whether this node is the one the endpoint names, so its launcher will listen there. By name: on a machine
     that runs several nodes (tests, containers), the other nodes' launchers connect to that port, they do not

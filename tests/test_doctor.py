@@ -88,3 +88,14 @@ def test_the_node_that_hosts_the_rendezvous_is_known_by_its_address_not_by_how_i
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     assert hosts_rendezvous("n1") and not hosts_rendezvous("n2") and not hosts_rendezvous("nowhere")
+
+
+def test_a_rendezvous_host_that_does_not_resolve_is_refused_before_start(tmp_path):
+    """Before: 155 s of c10d's retries (IPv6 messages, C++ frames) and two Ctrl-C that did nothing for 82 s."""
+
+    proc = run_cli("launcher", "trainer.nodes=2", "launcher.rdzv_endpoint=nosuchhost.invalid:29400",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert "launcher.rdzv_endpoint=nosuchhost.invalid:29400: 'nosuchhost.invalid' does not resolve on this machine" \
+        in proc.stderr
+    assert not (tmp_path / "run").exists()  # refused before anything was written
