@@ -44,6 +44,15 @@ def use_address(address: str) -> None:
     os.environ["RAY_ADDRESS"] = address
 
 
+def first_sentence(text: str, limit: int = 200) -> str:
+    """The first sentence of an error's text (Ray's run on for lines), whole words within `limit` characters."""
+    line = (text.strip().splitlines() or [""])[0]
+    sentence = line.split(". ")[0].rstrip(".")
+    if len(sentence) <= limit:
+        return sentence
+    return sentence[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def client(address: str):
     from ray.job_submission import JobSubmissionClient
 
@@ -107,7 +116,7 @@ def check_cluster(cfg: Config, address: str, problems: list[str]) -> None:
     try:
         nodes = [n for n in list_nodes(address=address, timeout=15) if n.state == "ALIVE"]
     except Exception as error:  # noqa: BLE001 - any failure to reach it is the same advice
-        problems.append(f"launcher=ray: no Ray cluster answers at {address} ({str(error).splitlines()[0][:200]}): start "
+        problems.append(f"launcher=ray: no Ray cluster answers at {address} ({first_sentence(str(error))}): start "
                         f"one (ray start --head, or a KubeRay RayCluster) and give its dashboard address, "
                         f"launcher.address=http://HEAD:8265 (or RAY_ADDRESS).")
         return
@@ -149,6 +158,9 @@ class Ray(SubmittingBackend):
     name = "ray"
 
     def validate(self, cfg: Config, problems: list[str]) -> None:
+        if cfg.launcher.dry_run:  # planned on a laptop: neither Ray nor the cluster need be here
+            print("dry run: the Ray cluster is not asked (its nodes, its resources, the upload)", file=sys.stderr)
+            return
         try:
             import ray  # noqa: F401
         except ImportError:

@@ -207,6 +207,9 @@ class Slurm(SubmittingBackend):
         if bad_keys:
             problems.append(f"launcher.sbatch has option name(s) {bad_keys} that are not sbatch options (lowercase "
                             f"letters, digits, '-' and '_', e.g. launcher.sbatch.gres=gpu:4).")
+        if s.dry_run:  # planned on a laptop: the cluster need not be here (the values above are checked still)
+            print("dry run: the SLURM cluster is not asked (its partitions, its nodes)", file=sys.stderr)
+            return
         if shutil.which("sbatch") is None:
             problems.append("launcher=slurm needs SLURM's sbatch, which is not on PATH here: run from a SLURM login node, "
                             "or use launcher=local to train on this machine.")

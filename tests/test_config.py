@@ -400,3 +400,23 @@ def test_an_empty_training_set_is_named_as_empty_not_as_a_batch_too_large(tmp_pa
     assert proc.returncode == 2
     assert "data.train (emptyds.Empty) is empty: its __len__ is 0, so there is nothing to train on" in proc.stderr
     assert "lower data.batch_size" not in proc.stderr
+
+
+@pytest.mark.parametrize("backend", [["launcher=slurm"], ["launcher=ray", "launcher.address=http://127.0.0.9:8265"]])
+def test_a_dry_run_for_a_cluster_plans_without_the_cluster(tmp_path, backend):
+    """docs: "plan it on your laptop". A dry run for SLURM or Ray was refused where no cluster answers."""
+    env = {"SLURM_CONF": str(tmp_path / "no-slurm.conf"), "PATH": "/usr/bin:/bin"} if backend[0] == "launcher=slurm" else {}
+    proc = run_cli("launcher", *backend, "trainer.nodes=2", "launcher.dry_run=true", f"hydra.run.dir={tmp_path / 'run'}",
+                   cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "forecast  rank 0 of 4" in proc.stdout and "dry run: nothing started" in proc.stdout
+    assert "cluster is not asked" in proc.stderr
+
+
+def test_rays_error_text_is_cut_at_a_sentence_not_mid_word():
+    from launcher.ray_backend import first_sentence
+
+    text = ("Failed to make request to http://127.0.0.9:8265/api/v0/nodes. Failed to connect to API server. Make sure "
+            "dependencies are installed with `pip install ray[default]`.")
+    assert first_sentence(text) == "Failed to make request to http://127.0.0.9:8265/api/v0/nodes"
+    assert first_sentence("word " * 100).endswith("word ...")
