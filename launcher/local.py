@@ -37,6 +37,7 @@ from launcher.script import script_command, script_env
 from train.dist import available_cores
 from train.host import PARENT_ENV
 from train import zygote
+from train.checkpoint import checkpoint_dir, committed
 from train.fault_tolerance import REPLICA_GROUP_ENV, START_STORE_ENV
 from train.parallel.layout import procs_per_node
 from train.observe.status import read_status, write_status
@@ -152,7 +153,10 @@ def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig
             print(f"stopped by {error.sigval.name}; the workers were stopped. Run the same command again to resume "
                   f"from the last checkpoint in {run_dir}.", file=sys.stderr)
             if script or read_status(run_dir).get("time", 0) < started:  # stopped before a rank could say so
-                write_status(run_dir, "stopped")  # (a script never does; ranks still starting, or restarting)
+                # (a script never does; ranks still starting or restarting, or killed by a second signal): the step
+                # is the newest checkpoint's, where the same command resumes, not an earlier stop's
+                newest = committed(checkpoint_dir(run_dir))
+                write_status(run_dir, "stopped", **({"step": newest[-1].step} if newest and not script else {}))
         sys.exit(128 + error.sigval.value)  # a signal stops a whole sweep too
     if script:
         write_status(run_dir, "finished")

@@ -275,7 +275,8 @@ def test_a_second_ctrl_c_stops_the_workers_at_once(tmp_path):
     """Rank 0 hangs, so the first SIGINT's graceful stop cannot finish; the second one must not wait for it."""
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "launcher", *FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16",
-               "trainer.hang_timeout_s=0", "launcher.shutdown_timeout_s=600", f"hydra.run.dir={run_dir}"]
+               "trainer.hang_timeout_s=0", "launcher.shutdown_timeout_s=600", "checkpoint.every_steps=4",
+               f"hydra.run.dir={run_dir}"]
     stderr_path = tmp_path / "stderr"
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=stderr, text=True,
@@ -295,6 +296,9 @@ def test_a_second_ctrl_c_stops_the_workers_at_once(tmp_path):
     assert proc.returncode == 128 + signal.SIGINT
     workers = subprocess.run(["pgrep", "-f", f"train {run_dir}/config.yaml"], capture_output=True, text=True)
     assert workers.stdout == ""  # no orphaned worker left behind
+    # No rank could say where it stopped: the status names the newest checkpoint, where the same command resumes
+    assert read_status(run_dir) | {"time": 0} == {"status": "stopped", "step": 8, "time": 0}
+    assert final_checkpoint(run_dir)["step"] == 8
 
 
 def test_a_second_launch_into_a_running_run_dir_is_refused(launch, tmp_path):
