@@ -159,7 +159,9 @@ def test_replica_groups_one_per_node_a_killed_one_restarts_on_its_node_and_heals
 
 
 def test_a_sweep_is_submitted_at_once_and_bad_input_is_refused_before_submission(cluster, tmp_path):
-    sweep = launch(tmp_path, "-m", *JOB, "optim.lr=0.05,0.1", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    # One node each: the two points run side by side on the cluster's two nodes, not one after the other
+    one_node = [o if o != "trainer.nodes=2" else "trainer.nodes=1" for o in JOB]
+    sweep = launch(tmp_path, "-m", *one_node, "optim.lr=0.05,0.1", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert sweep.returncode == 0
     job_ids = submitted(sweep.stdout)
     assert len(job_ids) == 2  # both submitted by one command that did not wait for either
