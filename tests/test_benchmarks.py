@@ -105,14 +105,8 @@ def test_checkpoint_scale_benchmark_measures_commit_resume_and_staging(tmp_path)
     assert len(report["staging"]["reused_s"]) == len(report["staging"]["fresh_s"]) == 2
 
 
-def test_gpu_check_runs_the_checks_that_apply_on_a_cpu_and_writes_its_table(tmp_path):
-    """The script the first GPU will run; here one of its CPU checks keeps it working."""
-    out = tmp_path / "gpu_check.json"
-    proc = run_cli("benchmarks.gpu_check", "--cpu", "--only", "bf16 autocast", "--out", str(out), cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    table = json.loads(out.read_text())
-    assert table["device"] == "CPU (gloo)" and [r["check"] for r in table["checks"]] == ["bf16 autocast"]
-    assert all(r["ok"] for r in table["checks"]) and "PASS  bf16 autocast" in proc.stdout
+def test_gpu_check_without_a_gpu_says_to_run_its_cpu_checks(tmp_path):
+    """The script a lent GPU runs (a check of it runs under the prepared command's test below)."""
     refused = run_cli("benchmarks.gpu_check", cwd=REPO)  # no GPU here: it says so instead of failing every check
     assert refused.returncode == 2 and "no CUDA GPU here: run with --cpu" in refused.stderr
 
@@ -182,5 +176,6 @@ def test_the_prepared_gpu_command_installs_its_wheels_apart_and_leaves_its_table
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert f"hydra from {site}" in proc.stdout  # the carried wheel, not this environment's hydra
     table = json.loads((out / "gpu_check.json").read_text())
+    assert table["device"] == "CPU (gloo)"
     assert [(r["check"], r["ok"]) for r in table["checks"]] == [("ranks forked from the zygote", True)]
     assert "PASS  ranks forked from the zygote" in (out / "gpu_run.log").read_text()
