@@ -33,6 +33,8 @@ NOT_IN_RUN_NAME = (
     "trainer.timeout_s",
     "trainer.threads",
 )
+# ... except these, which do: the weights a run starts from make another run (and its own directory).
+IN_RUN_NAME = ("checkpoint.init_from",)
 MAX_TAG = 120
 
 
@@ -42,7 +44,8 @@ def _key(override: str) -> str:
 
 def run_tag(overrides) -> str:
     """`${run_tag:${hydra:overrides.task}}`: a directory name made of the overrides that define the run."""
-    kept = sorted(o for o in overrides if not any(_key(o) == k or (k.endswith(".") and _key(o).startswith(k)) for k in NOT_IN_RUN_NAME))
+    kept = sorted(o for o in overrides if _key(o) in IN_RUN_NAME or
+                  not any(_key(o) == k or (k.endswith(".") and _key(o).startswith(k)) for k in NOT_IN_RUN_NAME))
     if not kept:
         return "default"
     tag = ",".join(kept).replace("/", "_").replace(" ", "")

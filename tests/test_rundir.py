@@ -23,6 +23,13 @@ def test_watch_only_overrides_keep_the_same_run_so_it_resumes():
     assert run_tag(["optim.lr=0.1", "checkpoint.keep_last=1"]) == base
 
 
+def test_the_weights_a_run_starts_from_name_another_run():
+    """checkpoint.init_from after the default run was refused as "another run" in the default's directory (docs
+    said checkpoint.* keeps the directory): another start is another run, in a directory of its own."""
+    assert run_tag(["checkpoint.init_from=/w/model.pt"]) == "checkpoint.init_from=_w_model.pt"
+    assert run_tag(["checkpoint.init_from=/w/model.pt", "checkpoint.keep_last=2"]) == "checkpoint.init_from=_w_model.pt"
+
+
 def test_another_data_root_is_another_run():
     """Data read from elsewhere is other data: its run must not resume the checkpoints trained on the first."""
     assert run_tag(["data=tokens", "data.root=data/openwebtext"]) != run_tag(["data=tokens", "data.root=data/mine"])
