@@ -144,7 +144,7 @@ def test_a_tracker_is_checked_like_any_target(tmp_path):
     assert "loggers.wandb.projct: train.observe.wandb_tracker.WandB has no argument 'projct' (did you mean " \
            "loggers.wandb.project?)" in message
     assert "loggers.mine._target_=my_trackers.Tracker cannot be imported: no module 'my_trackers'" in message
-    cfg = typed("+logger=[wandb,mlflow]", "~loggers.tensorboard")
+    cfg = typed("+logger=[wandb,mlflow]", "~loggers.tensorboard", "loggers.wandb.mode=offline")
     cfg.data.root = str(tmp_path / "data")
     validate(cfg, tmp_path, cuda_devices=0)  # both installed (the test extra), the default arguments fit
     assert set(cfg.loggers) == {"wandb", "mlflow"}
@@ -420,3 +420,18 @@ def test_rays_error_text_is_cut_at_a_sentence_not_mid_word():
             "dependencies are installed with `pip install ray[default]`.")
     assert first_sentence(text) == "Failed to make request to http://127.0.0.9:8265/api/v0/nodes"
     assert first_sentence("word " * 100).endswith("word ...")
+
+
+def test_wandb_online_without_a_login_is_refused_naming_the_offline_mode(tmp_path, monkeypatch):
+    """Before: wandb.init failed in rank 0 after start, without a word of the offline mode."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: `wandb login` was never run here
+    message = problems("+logger=wandb", run_dir=tmp_path)
+    assert "+logger=wandb logs online, but this machine has no W&B login for api.wandb.ai" in message
+    assert "or log offline with loggers.wandb.mode=offline" in message
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    cfg = typed("+logger=wandb")
+    cfg.data.root = str(tmp_path / "data")
+    validate(cfg, tmp_path, cuda_devices=0)  # logged in: nothing to say
