@@ -22,7 +22,7 @@ GB = 2**30
 KNOWN_GPUS = {"H200": 141, "H100": 80, "A100-SXM4-80GB": 80, "A100 80GB": 80, "A100": 40, "L40S": 48, "L4": 24,
               "A10G": 24, "V100": 32, "RTX 4090": 24, "RTX 3090": 24, "T4": 16}
 FIELDS = (("parameters", "parameter_bytes"), ("gradients", "gradient_bytes"), ("optimizer state", "optimizer_bytes"),
-          ("activations", "activation_bytes"), ("gathered", "gathered_bytes"))
+          ("activations", "activation_bytes"), ("output gradient", "output_gradient_bytes"), ("gathered", "gathered_bytes"))
 
 
 class ForecastFailed(RuntimeError):
@@ -47,11 +47,12 @@ def gpu_memory_gb(cfg: Config) -> float:
 
 
 def total(figures: dict) -> int:
-    return sum(figures[key] for _, key in FIELDS)
+    return sum(figures.get(key, 0) for _, key in FIELDS)
 
 
 def describe(figures: dict, cfg: Config) -> str:
-    parts = " + ".join(f"{name} {figures[key] / GB:.2f}" for name, key in FIELDS if figures[key] or key != "gathered_bytes")
+    parts = " + ".join(f"{name} {figures[key] / GB:.2f}" for name, key in FIELDS
+                       if figures.get(key) or key not in ("gathered_bytes", "output_gradient_bytes"))
     return (f"forecast  rank {figures['rank']} of {figures['world_size']} ({figures['strategy']}, {figures['mesh']}; "
             f"{figures['parameters'] / 1e6:,.1f}M parameters): {parts} = {total(figures) / GB:.2f} GB "
             f"(one micro-batch of {cfg.data.batch_size}, precision {cfg.trainer.precision}"

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import FAST, REPO, read_metrics, run_cli
 
@@ -91,3 +92,15 @@ def test_a_hugging_face_encoder_is_forecast_with_its_activations_measured_anothe
     lines = [line for line in proc.stdout.splitlines() if line.startswith("forecast  rank")]
     assert len(lines) == 2 and all("activations measured on the CPU (the meta device cannot run the forward: "
                                    "Tensor.item() cannot be called on meta tensors)" in line for line in lines)
+
+
+def test_the_forecast_counts_the_gradient_of_the_models_output():
+    """Measured on an H200 (benchmarks/README.md): GPT-2 124M at 8 x 1024 peaked at 7.47 GB against a 5.18 GB
+    forecast; the gap was the loss's backward, the float32 gradient of the B x T x V logits and, under bf16, the
+    loss's float32 copy of them (counted at half with the activations)."""
+    from train.forecast import output_gradient
+
+    logits = torch.empty(8, 1024, 50304, device="meta")
+    assert output_gradient(logits, mixed=True) == 2 * 8 * 1024 * 50304 * 4  # 3.07 GiB: 5.18 + 3.07 = 8.25 GiB
+    assert output_gradient(logits, mixed=False) == 8 * 1024 * 50304 * 4
+    assert output_gradient(torch.empty(8, 1024, dtype=torch.long, device="meta"), mixed=True) == 0  # ids: no gradient
