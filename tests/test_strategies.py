@@ -162,3 +162,31 @@ def test_hsdp_2_copies_of_2_shards_reach_the_weights_of_ddp(launch, tmp_path):
     assert manifest["world_size"] == 4
     shards = memory(tmp_path / "hsdp")
     assert shards["rank3_param_mb"] == pytest.approx(memory(tmp_path / "ddp")["rank0_param_mb"] / 2, rel=0.02)
+
+
+def test_the_global_norm_of_gradients_in_pieces_is_clipped_as_clip_grad_norm_clips_the_whole():
+    """clip_global_norm (fsdp, pipelines) in fused kernels per group of pieces: the same norm and the same scaled
+    gradients as torch's clip_grad_norm_ on the whole, pieces of two dtypes and held by several ranks counted once."""
+    import torch.distributed as dist
+
+    from train.parallel.strategy import clip_global_norm
+
+    own_group = not dist.is_initialized()
+    if own_group:  # a world of one, its store in this process: nothing in the environment for later tests
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        whole = [torch.nn.Parameter(torch.zeros(5, 7)), torch.nn.Parameter(torch.zeros(3))]
+        for p in whole:
+            p.grad = torch.randn_like(p) * 3
+        pieces = [whole[0].grad.clone(), whole[1].grad.clone().double()]
+        expected = torch.nn.utils.clip_grad_norm_(whole, 1.0)
+        total = clip_global_norm(pieces, 1.0, torch.device("cpu"))
+        assert torch.allclose(total.double(), expected.double(), rtol=1e-6)
+        assert torch.allclose(pieces[0], whole[0].grad, rtol=1e-6) and torch.allclose(pieces[1].float(), whole[1].grad, rtol=1e-6)
+        doubled = [whole[0].grad.clone()] * 2  # one piece held by 2 ranks (HSDP's copies): counted once
+        twice = clip_global_norm([doubled[0].clone(), doubled[1].clone()], 1e9, torch.device("cpu"), copies=[2, 2])
+        assert torch.allclose(twice, whole[0].grad.norm(), rtol=1e-6)
+    finally:
+        if own_group:
+            dist.destroy_process_group()

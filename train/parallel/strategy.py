@@ -145,13 +145,22 @@ def clip_global_norm(grads: list[torch.Tensor], max_norm: float, device: torch.d
     replicas; under tensor parallelism, per piece), counted once. Collective. Returns the total norm."""
     weights = copies if isinstance(copies, list) else [copies] * len(grads)
     squares = torch.zeros((), dtype=torch.float32, device=device)
+    # A few fused kernels per group of pieces (torch._foreach_norm, as clip_grad_norm_ does), not five per piece
+    # with a full-size temporary each: ~150 pieces of GPT-2 on one GPU were ~900 launches a step.
+    groups: dict[tuple, tuple[list[torch.Tensor], list[float]]] = {}
     for g, held in zip(grads, weights):
-        squares += g.float().square().sum().to(device) / held
+        pieces, held_by = groups.setdefault((g.device, g.dtype), ([], []))
+        pieces.append(g)
+        held_by.append(float(held))
+    for pieces, held_by in groups.values():
+        norms = torch.stack(torch._foreach_norm(pieces)).float()
+        divisors = torch.tensor(held_by, dtype=torch.float32, device=norms.device)
+        squares += (norms.square() / divisors).sum().to(device)
     dist.all_reduce(squares)
     total = squares.sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(scale.to(g.device, g.dtype))
+    for pieces, _ in groups.values():
+        torch._foreach_mul_(pieces, scale.to(pieces[0].device, pieces[0].dtype))
     return total
 
 
