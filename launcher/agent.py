@@ -38,6 +38,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
 
 from launcher.network import hold_free_port
+from train.fault_tolerance import REPLICA_GROUP_ENV
 from train.finite import NONFINITE_EXIT_CODE
 from train.observe.watchdog import HANG_EXIT_CODE
 
@@ -152,12 +153,11 @@ class Agent(LocalElasticAgent):
             spec = worker_group.spec
             number = spec.max_restarts - self._remaining_restarts + 1
             print(failure_report(result.failures), file=sys.stderr, flush=True)
-            print(
-                f"restarting the workers (restart {number} of {spec.max_restarts}); training resumes from the "
-                f"newest checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
+            group = os.environ.get(REPLICA_GROUP_ENV)
+            resumes = (f"replica group {group} rejoins the others and takes a live group's weights (it heals; no "
+                       f"checkpoint is read)" if group is not None else "training resumes from the newest checkpoint")
+            print(f"restarting the workers (restart {number} of {spec.max_restarts}); {resumes}", file=sys.stderr,
+                  flush=True)
         return result
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int | None = None) -> None:
