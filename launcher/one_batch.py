@@ -99,7 +99,8 @@ def check_scores_shape(cfg: Config, task, output, targets, problems: list[str]) 
     scores = logits_of(output)
     if not isinstance(scores, torch.Tensor) or targets.dim() < 1:
         return
-    if scores.dim() == targets.dim() + 1 and scores.shape[0] == targets.shape[0] and scores.shape[2:] == targets.shape[1:]:
+    if scores.dim() == targets.dim() + 1 and scores.shape[0] == targets.shape[0] and \
+            targets.shape[1:] in (scores.shape[2:], scores.shape[1:-1]):  # classes second (torch's) or last (per token)
         return
     n, labels = targets.shape[0], list(targets.shape)
     text = (f"model._target_={cfg.model['_target_']} returns scores of shape {list(scores.shape)} for labels of shape "
