@@ -37,8 +37,9 @@ class Meeting:
 
 
 @contextlib.contextmanager
-def meeting_place(cfg: Config) -> Iterator[Meeting]:
-    """The Lighthouse and the store of this run, as this node sees them (see the module's doc)."""
+def meeting_place(cfg: Config, first: bool | None = None) -> Iterator[Meeting]:
+    """The Lighthouse and the store of this run, as this node sees them (see the module's doc). `first`: whether
+    this node hosts them, where a scheduler says so (SLURM's node 0); else by the endpoint's host."""
     from torch.distributed import TCPStore
 
     if cfg.trainer.nodes == 1:
@@ -51,7 +52,7 @@ def meeting_place(cfg: Config) -> Iterator[Meeting]:
         return
     host, _, port = cfg.launcher.rdzv_endpoint.rpartition(":")
     timeout = timedelta(seconds=cfg.launcher.rdzv_timeout_s)
-    store, first = None, hosts_rendezvous(host)
+    store, first = None, hosts_rendezvous(host) if first is None else first
     if first:
         try:
             store = TCPStore(host, int(port), is_master=True, wait_for_workers=False, timeout=timeout)

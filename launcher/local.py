@@ -163,12 +163,13 @@ def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig
     return 0
 
 
-def launch_replica_groups(cfg: Config, snapshot: Path) -> int:
-    """trainer.fault_tolerance=replicas: where the groups meet (launcher/lighthouse.py), then one agent per replica
-    group of this node (launcher/replicas.py), each restarting its own group (launcher.max_restarts); every group to
-    its end. The exit code is the worst group's (0: all finished)."""
+def launch_replica_groups(cfg: Config, snapshot: Path, first: bool | None = None) -> int:
+    """trainer.fault_tolerance=replicas: where the groups meet (launcher/lighthouse.py; `first`: this node hosts it,
+    where a scheduler says which node is first), then one agent per replica group of this node (launcher/replicas.py),
+    each restarting its own group (launcher.max_restarts); every group to its end. The exit code is the worst group's
+    (0: all finished)."""
     groups = []
-    with meeting_place(cfg) as meeting:
+    with meeting_place(cfg, first) as meeting:
         try:
             per_node = cfg.trainer.replica_groups // cfg.trainer.nodes
             mine = range(meeting.node * per_node, (meeting.node + 1) * per_node)

@@ -100,13 +100,8 @@ def hosts_rendezvous(host: str) -> bool:
         return True
     try:
         return ipaddress.ip_address(host).is_loopback or bindable(host)
-    except ValueError:  # a name: this machine's if it resolves to one of its addresses (a SLURM node list names a
-        pass            # node as the scheduler does, "n1", where gethostname() may say "n1.cluster.local" or else)
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
-    except OSError:  # it does not resolve here: not this machine
-        return False
-    return any(ipaddress.ip_address(a).is_loopback or bindable(a) for a in addresses)
+    except ValueError:  # a name: another machine's (a scheduler that knows which node is first says so instead:
+        return False    # launcher/lighthouse.py meeting_place's `first`)
 
 
 def bindable(address: str) -> bool:

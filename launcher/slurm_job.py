@@ -210,7 +210,9 @@ class SlurmReplicaNode:
             os.environ.pop(key, None)
         renewer = Renewer(run_dir, job_lease(job_id)).__enter__() if first else None
         try:
-            code = launch_replica_groups(cfg, Path(self.snapshot))
+            # Node 0 of the job hosts the meeting: SLURM says which node that is (MASTER_ADDR is its name in the
+            # node list, "n1", which need not be what gethostname() says there, "n1.cluster.local")
+            code = launch_replica_groups(cfg, Path(self.snapshot), first=first)
         finally:
             if renewer:
                 renewer.stop(release_lease=True)

@@ -72,24 +72,6 @@ def test_the_doctor_reads_a_projects_own_config_dir_as_the_launcher_does(tmp_pat
     assert "trainer.gpus=1, but 0 GPU(s) visible" in proc.stdout
 
 
-def test_the_node_that_hosts_the_rendezvous_is_known_by_its_address_not_by_how_its_name_is_spelt(monkeypatch):
-    """Under SLURM the endpoint names node 0 as the node list does ("n1") while gethostname() may say
-    "n1.cluster.local": node 0 must still know it is the one to host the store and the Lighthouse."""
-    import socket
-
-    from launcher.network import hosts_rendezvous
-
-    resolved = {"n1": "127.0.0.1", "n2": "192.0.2.7"}  # this machine's loopback; TEST-NET-1, no machine's here
-
-    def getaddrinfo(host, *args, **kwargs):
-        if host not in resolved:
-            raise socket.gaierror("unknown")
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (resolved[host], 0))]
-
-    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    assert hosts_rendezvous("n1") and not hosts_rendezvous("n2") and not hosts_rendezvous("nowhere")
-
-
 def test_a_rendezvous_host_that_does_not_resolve_is_refused_before_start(tmp_path):
     """Before: 155 s of c10d's retries (IPv6 messages, C++ frames) and two Ctrl-C that did nothing for 82 s."""
 
