@@ -62,6 +62,23 @@ def export_env_from_slurm() -> dict[str, str]:
     return exported
 
 
+def start_task(snapshot: str) -> tuple[str, Path, Lease, dict | None]:
+    """What every task does first: the env:// variables from SLURM's, a half-written result of an earlier attempt
+    cleared, and the job's lease checked: (job id, run directory, the job's lease, a refusal to return, or None)."""
+    from launcher.backend import lease_holder_alive
+
+    export_env_from_slurm()
+    clear_unfinished_result()
+    job_id, run_dir = os.environ["SLURM_JOB_ID"], Path(snapshot).parent
+    mine, current = job_lease(job_id), read_lease(run_dir)
+    if current is not None and current.key != mine.key and (owner := lease_holder_alive(current))[0]:
+        # Taken over while this job waited (its lease expired where SLURM could not be asked): not ours to write.
+        message = f"job {job_id} does not start: {run_dir} belongs to {current.holder} ({owner[1]})"
+        print(f"error: {message}", file=sys.stderr)
+        return job_id, run_dir, mine, {"status": "refused", "error": message}
+    return job_id, run_dir, mine, None
+
+
 class SlurmTask:
     """What every task of the job runs (pickled by submitit, so a requeued job runs it again)."""
 
@@ -71,18 +88,11 @@ class SlurmTask:
         self.requeue_signal = requeue_signal
 
     def __call__(self) -> dict:
-        from launcher.backend import lease_holder_alive
         from train.run import main
 
-        export_env_from_slurm()
-        clear_unfinished_result()
-        job_id, run_dir = os.environ["SLURM_JOB_ID"], Path(self.snapshot).parent
-        mine, current = job_lease(job_id), read_lease(run_dir)
-        if current is not None and current.key != mine.key and (owner := lease_holder_alive(current))[0]:
-            # Taken over while this job waited (its lease expired where SLURM could not be asked): not ours to write.
-            message = f"job {job_id} does not start: {run_dir} belongs to {current.holder} ({owner[1]})"
-            print(f"error: {message}", file=sys.stderr)
-            return {"status": "refused", "error": message}
+        job_id, run_dir, mine, refused = start_task(self.snapshot)
+        if refused:
+            return refused
         # Rank 0 keeps the job's lease fresh while it runs (a node that cannot ask SLURM relies on the expiry).
         renewer = Renewer(run_dir, mine).__enter__() if os.environ["RANK"] == "0" else None
         outcome = main(self.snapshot)
@@ -133,18 +143,12 @@ class SlurmScript:
 
         from omegaconf import OmegaConf
 
-        from launcher.backend import lease_holder_alive
         from launcher.script import script_env
         from train.observe.status import write_status
 
-        export_env_from_slurm()
-        clear_unfinished_result()
-        job_id, run_dir = os.environ["SLURM_JOB_ID"], Path(self.snapshot).parent
-        mine, current = job_lease(job_id), read_lease(run_dir)
-        if current is not None and current.key != mine.key and (owner := lease_holder_alive(current))[0]:
-            message = f"job {job_id} does not start: {run_dir} belongs to {current.holder} ({owner[1]})"
-            print(f"error: {message}", file=sys.stderr)
-            return {"status": "refused", "error": message}
+        job_id, run_dir, mine, refused = start_task(self.snapshot)
+        if refused:
+            return refused
         cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(self.snapshot))
         first = os.environ["RANK"] == "0"
         renewer = Renewer(run_dir, mine).__enter__() if first else None
