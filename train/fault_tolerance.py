@@ -69,6 +69,9 @@ class ReplicaGroups:
     def __init__(self, trainer, state_dict, load_state_dict, timeout_s: float, world_size: int):
         from torchft import Manager, ProcessGroupGloo
 
+        # torchft warns at every reconfiguration that it cannot reset NCCL's flight recorder: these groups are gloo's
+        logging.getLogger("torchft.manager").addFilter(
+            lambda record: "Unable to reset NCCL flight recorder" not in record.getMessage())
         self.group = replica_group()
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)),

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -190,8 +191,11 @@ def fit(run: Run) -> Outcome:
     # The groups' weights are compared at the run's end only: a stop is agreed within each group, at the step it reaches
     # (the groups are a step or so apart), and a check there would pair one group's comparison with another's gradients.
     if not stopped and (identical := run.replicas.identical(run.strategy.model)) is not None and env.rank == 0:
-        print(f"replica group {replica_group()}: weights {'identical to' if identical else 'DIFFERENT from'} the other "
-              f"groups' at step {progress.step} ({run.replicas.participants} taking part)", flush=True)
+        # One write, line and newline together: the groups' processes share the console (print() writes the two
+        # apart under -u, and two groups' lines ran together)
+        sys.stdout.write(f"replica group {replica_group()}: weights {'identical to' if identical else 'DIFFERENT from'} "
+                         f"the other groups' at step {progress.step} ({run.replicas.participants} taking part)\n")
+        sys.stdout.flush()
     run.replicas.close()
     run.ckpt.close()  # a save still in flight is finished (and committed) before the run reports its end
     stop.close()
