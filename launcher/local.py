@@ -142,6 +142,13 @@ def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig
         # A loss that was not finite: the ranks' exit code (65, EX_DATAERR) is the launch's, as docs/watching.md says,
         # so that a script or a scheduler can tell it from a crash (a rerun would meet it again)
         return NONFINITE_EXIT_CODE if restart_would_repeat(error.failures) else 1
+    except KeyboardInterrupt:  # Ctrl-C before torch's agent took the signals over: in the rendezvous, say
+        print(f"stopped by SIGINT before the workers started (while the nodes met at "
+              f"{cfg.launcher.rdzv_endpoint or 'this machine'}); run the same command again to start.", file=sys.stderr)
+        if read_status(run_dir).get("time", 0) < started:
+            newest = committed(checkpoint_dir(run_dir))
+            write_status(run_dir, "stopped", **({"step": newest[-1].step} if newest and not script else {}))
+        sys.exit(128 + signal.SIGINT)
     except SignalException as error:
         failures = getattr(error, "failures", {})
         if failures:  # the stop may not have saved: say why, as for any failure, not that all is well

@@ -5,6 +5,7 @@ rendezvous, one shared run directory."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -87,3 +88,26 @@ def test_a_second_launch_of_the_same_node_is_refused(tmp_path):
         with pytest.raises(RunDirBusy, match="in use by another launcher"):  # a one-node run cannot join
             with hold(tmp_path, nodes=1):
                 pass
+
+
+def test_a_ctrl_c_while_the_other_nodes_are_awaited_ends_the_launch_at_once(tmp_path):
+    """A Ctrl-C while node 0 waits for node 1 (before torch's agent takes the signals over) ended in Python's raw
+    KeyboardInterrupt traceback; now a line saying what stopped, exit 130, status 'stopped'."""
+    import signal
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    err = tmp_path / "stderr.txt"
+    command = [sys.executable, "-m", "launcher", *FAST, "data=synthetic", "model=mlp", "trainer.nodes=2",
+               "trainer.procs_per_node=1", f"launcher.rdzv_endpoint=localhost:{port}", f"hydra.run.dir={tmp_path / 'run'}"]
+    with open(err, "w") as stderr, subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr) as proc:
+        try:
+            wait_for(lambda: "waiting for 1 of 2 nodes" in err.read_text(), timeout=120, what="node 0 to wait for node 1")
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=30)  # before the fix: still waiting after 30 s, and 900 s of rdzv_timeout_s to go
+        finally:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT
+    assert "stopped by SIGINT before the workers started" in err.read_text() and "Traceback" not in err.read_text()
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["status"] == "stopped"
