@@ -17,9 +17,9 @@ still work; only the printed causes, the signal translation and the double-signa
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-import contextlib
 import os
 import signal
 import sys

@@ -47,12 +47,12 @@ def gpu_memory_gb(cfg: Config) -> float:
 
 
 def total(figures: dict) -> int:
-    return sum(figures.get(key, 0) for _, key in FIELDS)
+    return sum(figures[key] for _, key in FIELDS)
 
 
 def describe(figures: dict, cfg: Config) -> str:
     parts = " + ".join(f"{name} {figures[key] / GB:.2f}" for name, key in FIELDS
-                       if figures.get(key) or key not in ("gathered_bytes", "output_gradient_bytes"))
+                       if figures[key] or key not in ("gathered_bytes", "output_gradient_bytes"))
     return (f"forecast  rank {figures['rank']} of {figures['world_size']} ({figures['strategy']}, {figures['mesh']}; "
             f"{figures['parameters'] / 1e6:,.1f}M parameters): {parts} = {total(figures) / GB:.2f} GB "
             f"(one micro-batch of {cfg.data.batch_size}, precision {cfg.trainer.precision}"

@@ -27,7 +27,6 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig
 
 from launcher.agent import failure_headline, failure_report, restart_would_repeat, run_agent
-from train.finite import NONFINITE_EXIT_CODE
 from launcher.backend import Backend, check_run_dir_free
 from launcher.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.lighthouse import LIGHTHOUSE_ENV, die_with_launcher, meeting_place
@@ -39,6 +38,7 @@ from train.host import PARENT_ENV
 from train import zygote
 from train.checkpoint import checkpoint_dir, committed
 from train.fault_tolerance import REPLICA_GROUP_ENV, START_STORE_ENV
+from train.finite import NONFINITE_EXIT_CODE
 from train.parallel.layout import procs_per_node
 from train.observe.status import read_status, write_status
 
@@ -145,9 +145,7 @@ def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig
     except KeyboardInterrupt:  # Ctrl-C before torch's agent took the signals over: in the rendezvous, say
         print(f"stopped by SIGINT before the workers started (while the nodes met at "
               f"{cfg.launcher.rdzv_endpoint or 'this machine'}); run the same command again to start.", file=sys.stderr)
-        if read_status(run_dir).get("time", 0) < started:
-            newest = committed(checkpoint_dir(run_dir))
-            write_status(run_dir, "stopped", **({"step": newest[-1].step} if newest and not script else {}))
+        note_stop(run_dir, started, script)
         sys.exit(128 + signal.SIGINT)
     except SignalException as error:
         failures = getattr(error, "failures", {})
@@ -159,15 +157,20 @@ def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig
         else:
             print(f"stopped by {error.sigval.name}; the workers were stopped. Run the same command again to resume "
                   f"from the last checkpoint in {run_dir}.", file=sys.stderr)
-            if script or read_status(run_dir).get("time", 0) < started:  # stopped before a rank could say so
-                # (a script never does; ranks still starting or restarting, or killed by a second signal): the step
-                # is the newest checkpoint's, where the same command resumes, not an earlier stop's
-                newest = committed(checkpoint_dir(run_dir))
-                write_status(run_dir, "stopped", **({"step": newest[-1].step} if newest and not script else {}))
+            note_stop(run_dir, started, script)
         sys.exit(128 + error.sigval.value)  # a signal stops a whole sweep too
     if script:
         write_status(run_dir, "finished")
     return 0
+
+
+def note_stop(run_dir: Path, started: float, script: bool) -> None:
+    """status.json "stopped" where no rank said so since `started` (a script never does; ranks still starting or
+    restarting, or killed by a second signal), with the newest checkpoint's step, where the same command resumes,
+    not an earlier stop's."""
+    if script or read_status(run_dir).get("time", 0) < started:
+        newest = committed(checkpoint_dir(run_dir))
+        write_status(run_dir, "stopped", **({"step": newest[-1].step} if newest and not script else {}))
 
 
 def launch_replica_groups(cfg: Config, snapshot: Path, first: bool | None = None) -> int:

@@ -245,7 +245,7 @@ class Ray(SubmittingBackend):
         try:
             return client(address).get_job_logs(job_id)
         except Exception as error:  # noqa: BLE001 - a cluster that is down, or no longer knows the job
-            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            reason = first_sentence(str(error)) or type(error).__name__
             raise LogsUnavailable(
                 f"the log of Ray job {job_id} is kept by the cluster at {address}, which does not answer ({reason}): "
                 f"start the cluster again, or read what the run wrote itself: {run_dir}/metrics.jsonl, "

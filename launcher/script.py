@@ -58,7 +58,6 @@ def script_env(cfg: Config, run_dir: Path) -> dict[str, str]:
     return {RUN_DIR_ENV: str(run_dir), DEVICE_ENV: "cuda" if cfg.trainer.gpus else "cpu"}
 
 
-
 def check_script(cfg: Config, problems: list[str]) -> None:
     """program=script: one script or one module, there to run; the world and backend keys are checked as for the
     trainer. Arguments are the script's own: passed as they are."""

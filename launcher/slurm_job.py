@@ -163,14 +163,14 @@ class SlurmScript:
         env = {**os.environ, **script_env(cfg, run_dir), "TORCHELASTIC_RESTART_COUNT": restart,
                "TORCHELASTIC_ERROR_FILE": str(errors / f"rank{os.environ['RANK']}.json")}
         code = subprocess.call(self.command, cwd=self.cwd, env=env)
-        status = "finished" if code == 0 and not stops else "stopped" if code == 0 or stops else "failed"
+        status = "stopped" if stops else "failed" if code else "finished"  # a stop's exit code is the script's
         if status == "failed":  # every failing task says so; the first failure it knows of is the run's error
             write_status(run_dir, status, error=first_error(errors) or f"rank {os.environ['RANK']}: exit code {code}")
         elif first:
             write_status(run_dir, status)
         if renewer:
             renewer.stop(release_lease=True)
-        if code and not stops:
+        if status == "failed":
             raise RuntimeError(f"rank {os.environ['RANK']}: {' '.join(self.command[-3:])} exited with code {code} "
                                f"(its traceback is in this task's log)")
         return {"status": status, "exit_code": code}

@@ -76,7 +76,8 @@ def last_report(run_dir: Path, trains: list[dict]) -> str | None:
 def summarize(sweep_dir: Path, only: list[Path] | None = None) -> list[dict]:
     """The summary of the sweep's points (`only` these run directories: this multirun's, not an earlier one's left
     in the same folder), written to SWEEP_DIR/summary.csv."""
-    chosen = point_dirs(sweep_dir) if only is None else [p for p in point_dirs(sweep_dir) if p.resolve() in set(only)]
+    wanted = None if only is None else set(only)
+    chosen = [p for p in point_dirs(sweep_dir) if wanted is None or p.resolve() in wanted]
     rows = [summarize_point(run_dir) for run_dir in chosen]
     with open(sweep_dir / SUMMARY_FILE, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)

@@ -157,7 +157,13 @@ def check_target(key: str, node, problems: list[str], call: str = "call") -> Non
     check_argument_types(key, node, target, signature, args, problems)
 
 
-SCALARS = (int, float, bool, str)
+# What a value given for an argument annotated so must be, and the words for it (str takes anything: an id, a name).
+SCALARS = {
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    str: (lambda v: True, "a string"),
+}
 
 
 def _scalar_hint(hint):
@@ -179,14 +185,12 @@ def check_argument_types(key: str, node, target, signature, args: dict, problems
         hint = _scalar_hint(hints.get(name))
         if hint is None or value is None or isinstance(value, (dict, list)):
             continue
-        fits = (isinstance(value, bool) if hint is bool else
-                isinstance(value, int) and not isinstance(value, bool) if hint is int else
-                isinstance(value, (int, float)) and not isinstance(value, bool) if hint is float else True)
-        if not fits:
+        fits, wanted = SCALARS[hint]
+        if not fits(value):
             default = signature.parameters[name].default if name in signature.parameters else inspect.Parameter.empty
             shown = f" (default {default!r})" if default is not inspect.Parameter.empty else ""
             problems.append(f"{key}.{name}={value!r}: {node['_target_']} takes {name}: {hint.__name__}{shown}, not "
-                            f"a {type(value).__name__}: give {'a number' if hint is float else f'an {hint.__name__}' if hint is int else 'true or false'}.")
+                            f"a {type(value).__name__}: give {wanted}.")
 
 
 def check_schedule(node, problems: list[str]) -> None:

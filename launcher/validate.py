@@ -22,6 +22,7 @@ from launcher.backend import BACKENDS, get_backend
 from launcher.one_batch import check_one_batch
 from launcher.schema import Config
 from launcher.script import PROGRAMS, check_script
+from launcher.trackers import check_tracker_logins
 from train.checkpoint import checkpoint_dir, committed, refuse_fresh_start_over
 from train.config import CHECKPOINT_FORMATS, CONFIG_FILE, checkpoint_format
 from train.observe.console import PROGRESS_MODES
@@ -273,29 +274,6 @@ def _check_fsdp_shardable(cfg: Config, problems: list[str]) -> None:
                         f"trainer.strategy=ddp, or make each a tensor of one element (shape [1]) in the model.")
 
 
-def _check_wandb_login(cfg: Config, problems: list[str]) -> None:
-    """W&B online with no login on this machine: wandb.init fails in rank 0 after start (or waits at a prompt);
-    said now, with the offline mode that needs none."""
-    node = (cfg.loggers or {}).get("wandb")
-    if not node or "wandb_tracker" not in str(node.get("_target_", "")):
-        return
-    mode = node.get("mode") or os.environ.get("WANDB_MODE") or "online"
-    if mode != "online" or os.environ.get("WANDB_API_KEY"):
-        return
-    import netrc
-    from urllib.parse import urlparse
-
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
-    try:
-        logged_in = netrc.netrc().authenticators(host) is not None  # where `wandb login` keeps the key
-    except (FileNotFoundError, netrc.NetrcParseError, OSError):
-        logged_in = False
-    if not logged_in:
-        problems.append(f"+logger=wandb logs online, but this machine has no W&B login for {host} (no WANDB_API_KEY, "
-                        f"no ~/.netrc entry): run `wandb login` (or set WANDB_API_KEY on every node), or log offline "
-                        f"with loggers.wandb.mode=offline (files in RUN_DIR/wandb; `wandb sync` uploads them later).")
-
-
 def _check_files(cfg: Config, run_dir: Path, problems: list[str]) -> None:
     try:
         prepare(cfg.data)
@@ -412,7 +390,7 @@ def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> Non
     check_targets(cfg, problems)
     _check_strategy(cfg, problems, targets_ok=len(problems) == before)
     _check_files(cfg, run_dir, problems)
-    _check_wandb_login(cfg, problems)
+    check_tracker_logins(cfg, problems)
     if not problems:  # the parts are sound one by one: do they fit together?
         check_one_batch(cfg, problems)
     if problems:

@@ -141,7 +141,8 @@ def activations(cfg: TrainConfig, dataset) -> tuple[int, int, str]:
             f"activations measured on the CPU (the meta device cannot run the forward: {reason})")
 
 
-def _saved_bytes(cfg: TrainConfig, batch, device: str) -> int:
+def _saved_bytes(cfg: TrainConfig, batch, device: str) -> tuple[int, int]:
+    """(activation bytes, output-gradient bytes) of one micro-batch's forward and loss on `device`."""
     with torch.device(device):
         model = build_model(cfg)
     if cfg.trainer.activation_checkpointing:
