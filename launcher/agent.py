@@ -5,7 +5,9 @@
   TORCHELASTIC_RESTART_COUNT and the trainer logs it;
 - a signal to the agent reaches the workers as one they stop on: SIGHUP (a closed terminal or ssh session) and
   SIGQUIT become SIGTERM, so the workers save a checkpoint instead of dying (torch forwards them unchanged);
-- a second SIGINT/SIGTERM while the workers are saving their last checkpoint kills them at once.
+- a second SIGINT/SIGTERM while the workers are saving their last checkpoint kills them at once;
+- a rank frozen whole (SIGSTOP) that no other rank reports, as when it is its group's only rank (a replica group of
+  one process, a one-process run), fails the group after trainer.hang_timeout_s and a margin, as a hang would.
 
 These extend private methods of torch's LocalElasticAgent (`_monitor_workers`, `_shutdown`, `_pcontext`,
 `_remaining_restarts`), as tested with the torch version CI installs. `extensions_supported` checks that they
@@ -26,7 +28,9 @@ import sys
 import threading
 import time
 
-from torch.distributed.elastic.agent.server.api import WorkerSpec
+from pathlib import Path
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import PContext
@@ -136,15 +140,50 @@ def restart_would_repeat(failures: dict[int, ProcessFailure]) -> bool:
 AGENT_TAKES_SHUTDOWN_TIMEOUT = "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters
 
 
+# Past trainer.hang_timeout_s, before the agent fails a group whose stopped rank nobody reported: the ranks' own
+# reports come first (within the limit plus 5 s for a store that does not answer, train/observe/hang.py).
+FROZEN_MARGIN_S = 8.0
+
+
+def stopped_below(root: int) -> dict[int, str]:
+    """The processes below `root` (children, theirs, ...) that are stopped (state T: SIGSTOP, SIGTSTP, a debugger),
+    by pid, with their names; read from /proc."""
+    children: dict[int, list[int]] = {}
+    states: dict[int, tuple[str, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        children.setdefault(int(rest[1]), []).append(int(entry))
+        states[int(entry)] = (rest[0], name)
+    stopped, todo = {}, [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            if states[pid][0] == "T":
+                stopped[pid] = states[pid][1]
+    return stopped
+
+
 class Agent(LocalElasticAgent):
-    def __init__(self, *args, shutdown_timeout: int = 30, **kwargs):
+    def __init__(self, *args, shutdown_timeout: int = 30, frozen_after_s: float = 0.0, hang_dir: Path | None = None,
+                 **kwargs):
         if AGENT_TAKES_SHUTDOWN_TIMEOUT:
             kwargs["shutdown_timeout"] = shutdown_timeout
         super().__init__(*args, **kwargs)
         self.shutdown_timeout = shutdown_timeout
+        self.frozen_after_s, self.hang_dir = frozen_after_s, hang_dir
+        self.stopped_since: dict[int, float] = {}
+        self.looked_at = 0.0
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.HEALTHY and self.frozen_after_s:
+            result = self.frozen(worker_group) or result
         if result.is_failed():
             self.reported = self._pcontext  # its failures are reported here or at the end, not again by a stop
         if result.is_failed() and restart_would_repeat(result.failures):
@@ -159,6 +198,34 @@ class Agent(LocalElasticAgent):
             print(f"restarting the workers (restart {number} of {spec.max_restarts}); {resumes}", file=sys.stderr,
                   flush=True)
         return result
+
+    def frozen(self, worker_group) -> RunResult | None:
+        """The group failed as hung where one of its processes has been stopped for frozen_after_s (looked at once
+        a second): a frozen rank answers no one, and where it is its group's only rank no other rank reports it."""
+        now = time.monotonic()
+        if now - self.looked_at < 1.0:
+            return None
+        self.looked_at = now
+        stopped = stopped_below(os.getpid())
+        self.stopped_since = {pid: self.stopped_since.get(pid, now) for pid in stopped}
+        frozen = {pid: stopped[pid] for pid, since in self.stopped_since.items() if now - since >= self.frozen_after_s}
+        if not frozen:
+            return None
+        pid, name = next(iter(frozen.items()))
+        rank = int(name.split()[-1]) if name.split()[-1].isdigit() else None
+        local = next((w.local_rank for w in worker_group.workers if w.global_rank == rank or w.id == pid), 0)
+        line = (f"{name} (pid {pid}) has been stopped (SIGSTOP, or a debugger holds it) for "
+                f"{now - self.stopped_since[pid]:.0f} s, past trainer.hang_timeout_s and no rank reported it: its "
+                f"group is ended as hung")
+        print(line, file=sys.stderr, flush=True)
+        if self.hang_dir is not None:
+            with contextlib.suppress(OSError):
+                incident = self.hang_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-stopped-pid{pid}"
+                incident.mkdir(parents=True, exist_ok=True)
+                (incident / "summary.txt").write_text(f"hang report by the agent on {os.uname().nodename}: "
+                                                      f"no report from rank {rank}: {line}\n")
+        self.stopped_since.clear()
+        return RunResult(state=WorkerState.FAILED, failures={local: ProcessFailure(local, pid, HANG_EXIT_CODE, "")})
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int | None = None) -> None:
         # While the workers save and stop (up to `timeout`), another signal kills them instead of waiting.
@@ -312,20 +379,23 @@ class HeldMasterPort:
             self.held = None
 
 
-def run_agent(config: LaunchConfig, entrypoint: str, args: list[str]) -> None:
-    """Run the worker group to completion; raise ChildFailedError when it fails for good."""
+def run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_after_s: float = 0.0,
+              hang_dir: Path | None = None) -> None:
+    """Run the worker group to completion; raise ChildFailedError when it fails for good. A worker stopped for
+    `frozen_after_s` (0: never) fails the group as a hang, said in `hang_dir`."""
     master_port, free_port = HeldMasterPort(), getattr(rendezvous_api, "get_free_port", None)
     if free_port is not None:  # where torch has it (where not, its own way of picking the port runs)
         rendezvous_api.get_free_port = master_port
     try:
-        _run_agent(config, entrypoint, args)
+        _run_agent(config, entrypoint, args, frozen_after_s, hang_dir)
     finally:
         if free_port is not None:
             rendezvous_api.get_free_port = free_port
         master_port.release()
 
 
-def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str]) -> None:
+def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_after_s: float,
+               hang_dir: Path | None) -> None:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(Repeated())
     if extensions_supported():
         dynamic_rendezvous.get_method_name = caller_name
@@ -364,7 +434,8 @@ def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str]) -> None:
               file=sys.stderr, flush=True)
         agent_class = LocalElasticAgent
     timeout = {"shutdown_timeout": config.shutdown_timeout} if agent_class is Agent or AGENT_TAKES_SHUTDOWN_TIMEOUT else {}
-    agent = agent_class(spec=spec, logs_specs=config.logs_specs, **timeout)
+    frozen = {"frozen_after_s": frozen_after_s, "hang_dir": hang_dir} if agent_class is Agent else {}
+    agent = agent_class(spec=spec, logs_specs=config.logs_specs, **timeout, **frozen)
     close_rendezvous = True
     try:
         result = agent.run()

@@ -26,21 +26,35 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig
 
-from launcher.agent import failure_headline, failure_report, restart_would_repeat, run_agent
+from launcher.agent import (
+    FROZEN_MARGIN_S,
+    failure_headline,
+    failure_report,
+    first_failed,
+    restart_would_repeat,
+    root_causes,
+    run_agent,
+)
 from launcher.backend import Backend, check_run_dir_free
 from launcher.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.lighthouse import LIGHTHOUSE_ENV, die_with_launcher, meeting_place
-from launcher.network import NODE_ADDR_ENV, check_network, hosts_rendezvous, port_in_use, resolution_error
+from launcher.network import (
+    NODE_ADDR_ENV,
+    check_network,
+    hosts_rendezvous,
+    port_in_use,
+    resolution_error,
+)
 from launcher.schema import Config
 from launcher.script import script_command, script_env
-from train.dist import available_cores
-from train.host import PARENT_ENV
 from train import zygote
 from train.checkpoint import checkpoint_dir, committed
+from train.dist import available_cores
 from train.fault_tolerance import REPLICA_GROUP_ENV, START_STORE_ENV
 from train.finite import NONFINITE_EXIT_CODE
-from train.parallel.layout import procs_per_node
+from train.host import PARENT_ENV
 from train.observe.status import read_status, write_status
+from train.parallel.layout import procs_per_node
 
 
 def rendezvous_id(cfg: Config | DictConfig, run_dir: Path) -> str:
@@ -82,14 +96,17 @@ def launch_local(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfi
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(cfg)))
     # The workers die with this process (train/__main__.py): if it is killed, its lease may be taken over at once.
     os.environ[PARENT_ENV] = str(os.getpid())
+    frozen = {"frozen_after_s": cfg.trainer.hang_timeout_s + FROZEN_MARGIN_S if cfg.trainer.hang_timeout_s else 0.0,
+              "hang_dir": run_dir / "hang"}
     if cfg.program.name == "script":  # the user's own loop, from the launch directory, as torchrun runs it
         os.environ.update(script_env(cfg, run_dir))
-        run_agent(config or launch_config(cfg, run_dir), sys.executable, script_command(cfg))
+        run_agent(config or launch_config(cfg, run_dir), sys.executable, script_command(cfg), **frozen)
         return
     # -P: not the working directory first on the path (a user's train.py there is not our `train`); the user's
     # modules come from the snapshot's import_path, after ours.
     with zygote.preloaded(snapshot) if cfg.launcher.preload_ranks else contextlib.nullcontext():
-        run_agent(config or launch_config(cfg, run_dir), sys.executable, ["-u", "-P", "-m", "train", str(snapshot)])
+        run_agent(config or launch_config(cfg, run_dir), sys.executable, ["-u", "-P", "-m", "train", str(snapshot)],
+                  **frozen)
 
 
 @contextlib.contextmanager
@@ -128,6 +145,16 @@ def _check_endpoint(cfg: Config, problems: list[str]) -> None:
         )
 
 
+def note_failure(run_dir: Path, failures: dict) -> None:
+    """status.json "failed" with the first failing rank's error. On several nodes each node's agent reports its own
+    ranks: a rank that failed by itself wins over one that only lost a peer to it (PEER_LOST), then the earlier."""
+    first = list(first_failed(min(root_causes(failures), key=first_failed))[:2])
+    said = read_status(run_dir)
+    if said.get("status") == "failed" and said.get("first_failed", [True, float("inf")]) <= first:
+        return
+    write_status(run_dir, "failed", error=failure_headline(failures), first_failed=first)
+
+
 def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig | None = None) -> int:
     """This node's workers to their end under one elastic agent; the exit code of the launch. The trainer writes
     its own status; a script's is written here (it knows nothing of status.json)."""
@@ -138,7 +165,7 @@ def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig
         launch_local(cfg, run_dir, snapshot, config)
     except ChildFailedError as error:
         print(f"error: training failed.\n{failure_report(error.failures)}", file=sys.stderr)
-        write_status(run_dir, "failed", error=failure_headline(error.failures))
+        note_failure(run_dir, error.failures)
         # A loss that was not finite: the ranks' exit code (65, EX_DATAERR) is the launch's, as docs/watching.md says,
         # so that a script or a scheduler can tell it from a crash (a rerun would meet it again)
         return NONFINITE_EXIT_CODE if restart_would_repeat(error.failures) else 1
@@ -153,7 +180,7 @@ def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig
             print(f"error: stopped by {error.sigval.name}, and meanwhile training failed.\n{failure_report(failures)}\n"
                   f"Fix it, then run the same command again: it resumes from the newest checkpoint in {run_dir} "
                   f"that was completely written.", file=sys.stderr)
-            write_status(run_dir, "failed", error=failure_headline(failures))
+            note_failure(run_dir, failures)
         else:
             print(f"stopped by {error.sigval.name}; the workers were stopped. Run the same command again to resume "
                   f"from the last checkpoint in {run_dir}.", file=sys.stderr)
@@ -171,6 +198,17 @@ def note_stop(run_dir: Path, started: float, script: bool) -> None:
     if script or read_status(run_dir).get("time", 0) < started:
         newest = committed(checkpoint_dir(run_dir))
         write_status(run_dir, "stopped", **({"step": newest[-1].step} if newest and not script else {}))
+
+
+def others_finish(run_dir: Path, quiet_s: float) -> None:
+    """Wait while the other nodes' replica groups still train (metrics.jsonl grew within `quiet_s`), until the run
+    is finished or stopped (status.json; "failed" may be this node's own groups' word)."""
+    metrics = run_dir / "metrics.jsonl"
+    while read_status(run_dir).get("status") not in ("finished", "stopped"):
+        with contextlib.suppress(OSError):
+            if time.time() - metrics.stat().st_mtime > quiet_s:
+                return
+        time.sleep(1)
 
 
 def launch_replica_groups(cfg: Config, snapshot: Path, first: bool | None = None) -> int:
@@ -198,8 +236,13 @@ def launch_replica_groups(cfg: Config, snapshot: Path, first: bool | None = None
             stop = _forward_stops(groups)
             codes = [group.wait() for group in groups]
             stop()
-            if any(codes) and read_status(snapshot.parent).get("status") == "finished":
-                failed = [g for g, c in zip(mine, codes) if c]
+            failed = [g for g, c in zip(mine, codes) if c]
+            if failed and cfg.trainer.nodes > 1 and read_status(snapshot.parent).get("status") != "finished":
+                # Ending now would end the job (SLURM's, Ray's) that the other nodes' groups are about to finish
+                print(f"replica group(s) {failed} failed for good; waiting for the other nodes' groups to finish the "
+                      f"run", file=sys.stderr, flush=True)
+                others_finish(snapshot.parent, cfg.trainer.hang_timeout_s or 300)
+            if failed and read_status(snapshot.parent).get("status") == "finished":
                 print(f"warning: replica group(s) {failed} failed for good; the others finished the run", file=sys.stderr)
                 return 0
             return max(codes, key=abs)

@@ -144,7 +144,8 @@ class Driver:
         while True:
             code, what = self.attempt(restarts)
             print(f"attempt {restarts}: {what}", flush=True)
-            status = read_status(self.run_dir).get("status")
+            said = read_status(self.run_dir)
+            status = said.get("status")
             if self.stop_asked:  # the ranks saved and stopped: a clean stop, whatever the agents' exit codes
                 return 0 if status == "stopped" else code
             if code == 0 or status == "finished":
@@ -152,7 +153,9 @@ class Driver:
             if code == 65:  # the loss turned NaN or inf (train/finite.py): a restart would reach it again
                 return code
             if restarts >= limit:
-                write_status(self.run_dir, "failed", error=f"{what}; launcher.max_restarts={limit} reached")
+                # The failing rank's own error, where a node's agent wrote it this attempt, first
+                cause = f"{said['error']}; " if status == "failed" and said.get("error") else ""
+                write_status(self.run_dir, "failed", error=f"{cause}{what}; launcher.max_restarts={limit} reached")
                 return code
             restarts += 1
             print(f"restarting every node from the last checkpoint ({restarts} of launcher.max_restarts={limit})",

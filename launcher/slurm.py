@@ -128,6 +128,11 @@ def executor_parameters(cfg: Config, cpus_per_node: int = 0) -> dict:
         gpus_per_node=cfg.trainer.gpus, cpus_per_task=cpus_per_task(cfg, cpus_per_node), mem=f"{s.mem_gb}GB" if s.mem_gb else "",
     )
     parameters.update({k: v for k, v in optional.items() if v})
+    if cfg.trainer.fault_tolerance != "replicas":
+        # One task failing ends the step, as torchrun ends its group: the others would wait in a collective for a
+        # rank that is gone, or for a frozen one that a hang report named (SLURM kills it even stopped). Replica
+        # groups run on, and a node's task that failed for good leaves the others to finish.
+        parameters["srun_args"] = ["--kill-on-bad-exit=1"]
     return parameters
 
 

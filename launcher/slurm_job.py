@@ -17,7 +17,7 @@ from pathlib import Path
 from launcher.lease import Lease, Renewer, read_lease
 from launcher.schema import Config
 from train.files import replace_text
-from train.observe.status import read_status
+from train.observe.status import read_status, write_status
 
 ENV_CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
@@ -67,6 +67,8 @@ def start_task(snapshot: str) -> tuple[str, Path, Lease, dict | None]:
     cleared, and the job's lease checked: (job id, run directory, the job's lease, a refusal to return, or None)."""
     from launcher.backend import lease_holder_alive
 
+    # The task keeps its name (python): SLURM's proctrack/linuxproc reads /proc/PID/stat naively, and a name with
+    # spaces (`train rank 1`, a local rank's) hides the task from it: a step it cancels leaves a stopped task behind.
     export_env_from_slurm()
     clear_unfinished_result()
     job_id, run_dir = os.environ["SLURM_JOB_ID"], Path(snapshot).parent
@@ -95,7 +97,18 @@ class SlurmTask:
             return refused
         # Rank 0 keeps the job's lease fresh while it runs (a node that cannot ask SLURM relies on the expiry).
         renewer = Renewer(run_dir, mine).__enter__() if os.environ["RANK"] == "0" else None
-        outcome = main(self.snapshot)
+        if renewer:
+            write_status(run_dir, "running")
+        try:
+            outcome = main(self.snapshot)
+        except Exception as error:  # the task that failed by itself says so, not one that lost a peer to it
+            from launcher.agent import PEER_LOST
+
+            said = read_status(run_dir)
+            lost_peer = any(marker in str(error) for marker in PEER_LOST)
+            if said.get("status") != "failed" or (not lost_peer and any(m in said.get("error", "") for m in PEER_LOST)):
+                write_status(run_dir, "failed", error=f"rank {os.environ['RANK']} failed: {type(error).__name__}: {error}")
+            raise
         requeue = outcome.status == "stopped" and (outcome.signal == self.requeue_signal or (
             outcome.signal == "SIGTERM" and preemption_decided(job_id, slurm_folder(run_dir), os.environ["RANK"] == "0")))
         if requeue and self._requeues_left(job_id):
@@ -144,7 +157,6 @@ class SlurmScript:
         from omegaconf import OmegaConf
 
         from launcher.script import script_env
-        from train.observe.status import write_status
 
         job_id, run_dir, mine, refused = start_task(self.snapshot)
         if refused:

@@ -21,7 +21,8 @@ from __future__ import annotations
 from xdist.scheduler import LoadFileScheduling
 
 # Their tests wait: on the test clusters' jobs; on checkpoint I/O slowed on purpose (FAULT=slow_io, slow_commit).
-WAITING = ("tests/test_ray.py", "tests/test_slurm.py", "tests/test_resume.py", "tests/test_checkpoint_io.py")
+WAITING = ("tests/test_ray.py", "tests/test_slurm.py", "tests/test_resume.py", "tests/test_checkpoint_io.py",
+           "tests/conformance/test_matrix.py")  # its cluster cells wait for the clusters' locks and jobs
 
 
 def waiting_lane(nodes: list) -> object | None:

@@ -38,25 +38,7 @@ def test_two_replica_groups_train_as_ddp_does_while_both_take_part(tmp_path, lau
     assert all(r["participants"] == 2 for r in read_metrics(tmp_path / "run") if r["kind"] == "train")
 
 
-def test_ctrl_c_to_the_terminals_process_group_saves_every_group_at_a_step_and_resumes(tmp_path, launch):
-    """SIGINT to the whole foreground process group, as a terminal sends Ctrl-C (SLURM signals every process of a
-    step alike): the Lighthouse died at once and each group's agent got the signal twice (directly and forwarded),
-    the second of which killed its ranks mid-save: no checkpoint, no status, a 60 s wait."""
-    import signal
-
-    from conftest import signalled_launch
-
-    run_dir = tmp_path / "run"
-    run = [*GROUPS, "trainer.epochs=40", "trainer.max_steps=400", "trainer.log_every=2", "launcher.shutdown_timeout_s=30"]
-    proc, out, err = signalled_launch(run, run_dir, tmp_path, sig=signal.SIGINT, after_step=4, terminal=True,
-                                      env={"PYTHONPATH": str(FAULTS_DIR), "STEP_DELAY_MS": "50"})
-    assert proc.returncode == 130, err[-3000:]
-    stopped = final_checkpoint(run_dir)
-    assert 4 <= stopped["step"] < 400
-    assert '"status": "stopped"' in (run_dir / "status.json").read_text()
-    assert "again: stopping the workers now" not in err  # no group took its one signal for a second one
-    resumed = launch(*run, "trainer.max_steps=" + str(stopped["step"] + 4), f"hydra.run.dir={run_dir}")
-    assert resumed.returncode == 0 and f"resumed at step {stopped['step']}" in resumed.stdout
+# Ctrl-C to the terminal's process group: the conformance matrix's cell local-replicas-stop (tests/conformance).
 
 
 def test_a_killed_group_restarts_heals_from_the_live_one_and_both_end_identical(tmp_path, launch):

@@ -44,7 +44,8 @@ def assert_same_weights(a: dict, b: dict) -> None:
 TRACKERS = ["+logger=[wandb,mlflow]", "loggers.wandb.mode=offline"]
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+# (seed 0, a rank killed without the trackers: the conformance matrix's cell local-ddp-kill, from outside)
+@pytest.mark.parametrize("seed", [1])
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(launch, tmp_path, uninterrupted, seed):
     rng = random.Random(seed)
     rank, step = rng.randrange(2), rng.randint(2, 30)
@@ -398,7 +399,7 @@ def test_the_rendezvous_event_namer_names_the_method_torchs_does_without_reading
 
 
 @pytest.mark.alone
-@pytest.mark.parametrize("frozen", [0, 1])
+@pytest.mark.parametrize("frozen", [1])  # rank 0, whose store the reports are asked through: the matrix's freeze cells
 def test_a_frozen_rank_is_reported_and_the_group_restarts(tmp_path, frozen):
     """A rank stopped from outside (SIGSTOP, found by its process name: a rank stuck in a kernel or on a dead mount
     looks the same) is named by the others' hang report within trainer.hang_timeout_s and a bound, and the group is

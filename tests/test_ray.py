@@ -18,7 +18,6 @@ from conftest import FAULTS_DIR, IDENTITY, REPO, cluster_started, final_checkpoi
 from conftest import wait_for
 
 ADDRESS = os.environ.get("RAY_ADDRESS", "http://127.0.0.2:8265")
-CLUSTER = REPO / "ray-cluster" / "test-cluster.sh"
 # IDENTITY (tests/conftest.py) on 2 nodes x 1 process, batch 16 each: the world of the `two_process_ddp` reference.
 JOB = [*IDENTITY, "launcher=ray", f"launcher.address={ADDRESS}", "trainer.nodes=2", "trainer.procs_per_node=1",
        "data.batch_size=16"]
@@ -118,24 +117,7 @@ def test_a_ray_job_holds_its_directory_and_a_cancel_stops_it_with_a_checkpoint(c
     assert "run: free (no lease)" in jobs("status", str(run_dir), cwd=tmp_path).stdout
 
 
-def test_a_lost_node_restarts_the_run_from_its_checkpoint_with_the_weights_of_an_uninterrupted_run(
-        cluster, tmp_path, two_process_ddp):
-    run_dir = tmp_path / "run"
-    proc = launch(tmp_path, *JOB, "checkpoint.every_steps=4", "launcher.max_restarts=2", *slowed(400),
-                  f"hydra.run.dir={run_dir}")
-    (job_id,) = submitted(proc.stdout)
-    checkpoints = run_dir / "checkpoints"
-    wait_for(lambda: any(checkpoints.glob("step_*.pt")), 120, "a first checkpoint")
-    try:
-        subprocess.run([str(CLUSTER), "kill-worker"], check=True, timeout=30)  # SIGKILL: the node is gone
-    finally:
-        subprocess.run([str(CLUSTER), "start-worker"], check=True, timeout=120)  # and comes back
-    wait_for(lambda: job_state(job_id) not in ("PENDING", "RUNNING"), 240, "the job to end")
-    assert job_state(job_id) == "SUCCEEDED"
-    logs = jobs("logs", str(run_dir), "--lines", "400", cwd=tmp_path).stdout
-    assert "restarting every node from the last checkpoint (1 of launcher.max_restarts=2)" in logs
-    assert "resumed at step" in logs
-    assert_same_weights(final_checkpoint(run_dir), final_checkpoint(two_process_ddp))
+# A lost node (the cluster's kill-worker): the conformance matrix's cell ray-ddp-lost (tests/conformance).
 
 
 def test_replica_groups_one_per_node_a_killed_one_restarts_on_its_node_and_heals(cluster, tmp_path):

@@ -131,6 +131,14 @@ def die_with(parent: int) -> None:
         os._exit(1)
 
 
+def rank_process_name(env) -> str:
+    """What ps, top and pgrep show for a rank (15 characters at most): `train rank R`; with replica groups, whose
+    ranks count from 0 in each group, `train gG rank R` (group G)."""
+    group = env.get("REPLICA_GROUP_ID")
+    rank = env.get("RANK", "")
+    return f"train rank {rank}" if group is None else f"train g{group} rank {rank}"[:15]
+
+
 def name_process(name: bytes) -> None:
     """The name `ps -e`, top and /proc/PID/comm show (Linux; the command line stays what the process started as)."""
     if sys.platform.startswith("linux"):

@@ -41,7 +41,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.host import PARENT_ENV, RANK_SIGNALS, die_with, die_with_parent, name_process
+from train.host import PARENT_ENV, RANK_SIGNALS, die_with, die_with_parent, name_process, rank_process_name
 
 ZYGOTE_ENV = "TRAIN_ZYGOTE"  # the zygote's address (abstract unix socket, without its leading NUL), for the relays
 HEADER = struct.Struct("!I")  # length of the request (JSON) that follows the header and the passed streams
@@ -357,7 +357,7 @@ def become_rank(request: dict, fds: list[int], zygotes: list) -> None:
             os.dup2(fd, target)
         unbuffered_streams()
         os.chdir(request["cwd"])
-        name_process(f"train rank {os.environ.get('RANK', '')}".encode())
+        name_process(rank_process_name(os.environ).encode())
         sys.argv = ["-m", *request["argv"]]
         if request["module"] not in RUNNABLE:
             raise ValueError(f"the zygote runs {', '.join(RUNNABLE)}, not {request['module']!r}")

@@ -1,0 +1,508 @@
+"""The conformance matrix (issue 46): every backend x every mode x every condition, with the same expected outcome
+everywhere, faults sent from outside the trainer as a cluster and a user send them.
+
+Every cell runs the user's project in tests/conformance/project: their own model and data (models.py, data.py,
+read POINTS_DELAY_S late so that a run lasts long enough to act on) beside their own train.py and launcher.py,
+which must never run in place of ours; it is launched as docs/your-code.md says for such a project (`ddp-launch`).
+
+    backends    local (one node, 2 processes), slurm (the test cluster, 2 nodes x 1), ray (the test cluster, 2 x 1)
+    modes       ddp, fsdp, replicas (2 replica groups of one rank, torchft)
+    conditions  stop    a stop as the backend delivers it (a terminal's Ctrl-C: SIGINT to the launcher's process
+                        group; `scancel`; `ray job stop`): a checkpoint at a step, status.json "stopped", the
+                        documented end; the same command again resumes and ends with the uninterrupted run's weights
+                kill    rank 1, found by its process name, SIGKILLed: the documented restart (local, Ray: the group or
+                        every node restarts from the checkpoint; SLURM: the job fails naming the rank and the same
+                        command resumes; replica groups: the group restarts alone and heals from the live one)
+                freeze  rank 0 SIGSTOPped: a hang report names it within trainer.hang_timeout_s and a bound, and the
+                        run goes on as after a kill
+                fail    the user's model raises on rank 1: its own traceback reaches the user's output and status.json
+                lost    a node's processes gone (Ray: the test cluster's kill-worker): every node restarts from the
+                        checkpoint, the uninterrupted run's weights
+
+CI runs the cells of `CI_CELLS`; `MATRIX=all python -m pytest -n0 tests/conformance` runs the whole matrix (with the
+test clusters started: slurm/test-cluster.sh and ray-cluster/test-cluster.sh) and prints its table at the end.
+A new backend or mode is one entry of BACKENDS or MODES; a cell that cannot apply is in NOT_APPLICABLE with why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, REPO, cluster_started, descendants, final_checkpoint, logged_steps, shared_lock, wait_for
+
+PROJECT = Path(__file__).resolve().parent / "project"
+DDP_LAUNCH = str(Path(sys.executable).parent / "ddp-launch")  # `python -m launcher` there would run their launcher.py
+RAY_ADDRESS = os.environ.get("RAY_ADDRESS", "http://127.0.0.2:8265")
+SLURM_CONF = "/tmp/slurm-test-cluster/etc/slurm.conf"
+STEPS = 40  # conf/experiment/matrix.yaml: a checkpoint every 8 steps
+ACT_AT = 10  # a fault or a stop once a step past the first checkpoint is logged
+SLOW = {"POINTS_DELAY_S": "0.005"}  # 16 samples a rank: ~80 ms a step, ~3 s a run
+# Replica groups: slow enough that the live group still trains when the failed one is back (a restart takes seconds,
+# a frozen group is ended hang_timeout_s + 8 s after it froze) and heals from it
+SLOWER = {"POINTS_DELAY_S": "0.03"}
+RUN = ["--config-dir", "conf", "+experiment=matrix", *FAST]
+
+MODES = {
+    "ddp": [],
+    "fsdp": ["trainer.strategy=fsdp"],
+    "replicas": ["trainer.fault_tolerance=replicas", "trainer.replica_groups=2"],
+}
+CONDITIONS = ("stop", "kill", "freeze", "fail", "lost")
+
+NOT_APPLICABLE = {
+    ("local", "lost"): "one node: losing it is losing the run (its processes gone is the kill cell); two nodes by "
+                       "rendezvous: tests/test_multinode.py",
+    ("slurm", "lost"): "the test cluster's two nodes are one host's slurmd processes: SLURM's own NODE_FAIL and "
+                       "requeue cannot be produced here",
+}
+# What CI runs: each condition and each mode at least once, each backend's cheapest cells.
+# (A local rank killed, a local rank failing, a replica group killed: tests/test_faults.py and
+# tests/test_fault_tolerance.py, with assertions of their own.)
+CI_CELLS = {
+    ("local", "ddp", "stop"), ("local", "fsdp", "freeze"), ("local", "replicas", "stop"), ("local", "replicas", "freeze"),
+    ("slurm", "ddp", "freeze"), ("slurm", "ddp", "fail"), ("slurm", "replicas", "fail"),
+    ("ray", "ddp", "lost"), ("ray", "ddp", "fail"), ("ray", "replicas", "fail"),
+}
+
+
+@dataclass
+class Launch:
+    """One launch of a cell: what was started, where its output goes, the job it submitted."""
+
+    run_dir: Path
+    command: list[str]
+    proc: subprocess.Popen | None = None
+    job: str | None = None
+    output: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Backend:
+    """How a backend is launched, how a stop is delivered, how a run's rank is found and how its end reads."""
+
+    name = ""
+    layout: list[str] = []
+    # The end of a run, as this backend reports it: (exit code of a local launch | the job's state)
+    finished = stopped = failed = None
+
+    def start(self, run_dir: Path, overrides: list[str], env: dict[str, str]) -> Launch:
+        """The run's processes get `env` as the user's shell gives it (Ray: the job's environment, launcher.env)."""
+        raise NotImplementedError
+
+    def wait(self, launch: Launch, timeout: float = 240) -> object:
+        raise NotImplementedError
+
+    def stop(self, launch: Launch) -> None:
+        raise NotImplementedError
+
+    def rank_pid(self, launch: Launch, name: str) -> int | None:
+        """The run's process named `name` (/proc/PID/comm), None while there is none."""
+        raise NotImplementedError
+
+    def output(self, launch: Launch) -> str:
+        raise NotImplementedError
+
+    def restarts(self, mode: str, count: int = 1) -> list[str]:
+        """`count` restarts after a fault, where this backend makes them."""
+        return [f"launcher.max_restarts={count}"]
+
+    def available(self) -> str | None:
+        """None where this backend can run here, else why not."""
+        return None
+
+    def lock(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def named(name: str, pids) -> int | None:
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+class Local(Backend):
+    name = "local"
+    layout = ["trainer.procs_per_node=2"]
+    finished, stopped, failed = 0, 130, 1
+
+    def start(self, run_dir, overrides, env):
+        command = [DDP_LAUNCH, *RUN, *self.layout, *overrides, f"hydra.run.dir={run_dir}"]
+        output = run_dir.parent / f"{run_dir.name}-{len(list(run_dir.parent.glob(run_dir.name + '-*.log')))}.log"
+        with open(output, "w") as out:  # its own process group, as a terminal's foreground job
+            proc = subprocess.Popen(command, cwd=PROJECT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, **env})
+        return Launch(run_dir, command, proc=proc, output=output)
+
+    def wait(self, launch, timeout=240):
+        try:
+            return launch.proc.wait(timeout=timeout)
+        finally:
+            if launch.proc.poll() is None:
+                os.killpg(launch.proc.pid, signal.SIGKILL)
+
+    def stop(self, launch):
+        os.killpg(launch.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole foreground process group
+
+    def rank_pid(self, launch, name):
+        return named(name, descendants(launch.proc.pid))
+
+    def output(self, launch):
+        return launch.output.read_text(errors="replace")
+
+
+class Slurm(Backend):
+    name = "slurm"
+    layout = ["launcher=slurm", "trainer.nodes=2", "trainer.procs_per_node=1"]
+    finished, stopped, failed = "COMPLETED", "CANCELLED", "FAILED"
+
+    def restarts(self, mode, count=1):  # a task per rank, no agent: the same command resumes (replica groups: an agent a node)
+        return [f"launcher.max_restarts={count}"] if mode == "replicas" else []
+
+    def available(self):
+        os.environ.setdefault("SLURM_CONF", SLURM_CONF)
+        cluster_started("slurm")
+        up = subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0 if _which("sinfo") else False
+        if not up and os.environ.get("REQUIRE_SLURM"):
+            pytest.fail("REQUIRE_SLURM is set but no SLURM cluster answers (slurm/test-cluster.sh start)")
+        return None if up else "no SLURM test cluster (`sudo slurm/test-cluster.sh start`; CI starts it)"
+
+    def lock(self):
+        return shared_lock("slurm-cluster", exclusive=True)
+
+    def start(self, run_dir, overrides, env):
+        command = [DDP_LAUNCH, *RUN, *self.layout, *overrides, f"hydra.run.dir={run_dir}"]
+        proc = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        job = next(line for line in proc.stdout.splitlines() if line.startswith("submitted SLURM job")).split()[-1]
+        return Launch(run_dir, command, job=job)
+
+    def wait(self, launch, timeout=240):
+        from launcher.slurm import job_state
+
+        ended = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+        deadline = time.monotonic() + timeout
+        while (state := job_state(launch.job)["state"]) not in ended:
+            if time.monotonic() > deadline:
+                subprocess.run(["scancel", "--signal=KILL", launch.job], capture_output=True)
+                return f"still {state} after {timeout:.0f} s"
+            time.sleep(0.5)
+        return state
+
+    def stop(self, launch):
+        subprocess.run(["scancel", launch.job], check=True, timeout=30)
+
+    def rank_pid(self, launch, name):
+        """A task is its rank here (replica groups: a node's agent forks them, named as locally); a task keeps its
+        name (launcher/slurm_job.py says why), so it is found as an operator would: `scontrol listpids` or by its
+        SLURM_PROCID."""
+        steps = [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith(f"slurmstepd: [{launch.job}.")]
+        below = [d for s in steps for d in descendants(s)]
+        if name.startswith("train g"):
+            return named(name, below)
+        rank = name.split()[-1]
+        return next((pid for pid in below if " -m launcher.slurm_task " in _cmdline(str(pid))
+                     and not _cmdline(str(pid)).startswith("srun ")  # the batch script's srun names it too
+                     and f"SLURM_PROCID={rank}\0".encode() in _environ(pid)), None)
+
+    def output(self, launch):
+        return "\n".join(p.read_text(errors="replace") for p in sorted((launch.run_dir / "slurm").rglob("*_log.*")))
+
+
+class Ray(Backend):
+    name = "ray"
+    layout = ["launcher=ray", f"launcher.address={RAY_ADDRESS}", "trainer.nodes=2", "trainer.procs_per_node=1"]
+    finished, stopped, failed = "SUCCEEDED", "STOPPED", "FAILED"
+
+    def available(self):
+        cluster_started("ray")
+        try:
+            from ray.util.state import list_nodes
+
+            up = sum(n.state == "ALIVE" for n in list_nodes(address=RAY_ADDRESS, timeout=10)) >= 2
+        except Exception:  # noqa: BLE001 - no Ray installed, or nothing answers
+            up = False
+        if not up and os.environ.get("REQUIRE_RAY"):
+            pytest.fail(f"REQUIRE_RAY is set but no two-node Ray cluster answers at {RAY_ADDRESS}")
+        return None if up else "no Ray test cluster (`ray-cluster/test-cluster.sh start`; CI starts it)"
+
+    def lock(self):
+        return shared_lock("ray-cluster", exclusive=True)
+
+    def start(self, run_dir, overrides, env):
+        job_env = [f"+launcher.env.{k}={v}" for k, v in env.items()]
+        command = [DDP_LAUNCH, *RUN, *self.layout, *overrides, *job_env, f"hydra.run.dir={run_dir}"]
+        proc = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=180,
+                              env={**os.environ, "RAY_ADDRESS": RAY_ADDRESS})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        job = next(line for line in proc.stdout.splitlines() if line.startswith("submitted Ray job")).split()[3]
+        return Launch(run_dir, command, job=job)
+
+    def wait(self, launch, timeout=240):
+        from launcher.ray_backend import job_status
+
+        deadline = time.monotonic() + timeout
+        while (state := job_status(launch.job, RAY_ADDRESS)) in ("PENDING", "RUNNING"):
+            if time.monotonic() > deadline:
+                return f"still {state} after {timeout:.0f} s"
+            time.sleep(0.5)
+        return state
+
+    def stop(self, launch):
+        ray = str(Path(sys.executable).parent / "ray")
+        subprocess.run([ray, "job", "stop", "--address", RAY_ADDRESS, "--no-wait", launch.job], check=True, timeout=60,
+                       capture_output=True)
+
+    def rank_pid(self, launch, name):
+        # Ray's workers run under the raylets; the cluster serves one test at a time (its lock)
+        raylets = [int(p) for p in os.listdir("/proc") if p.isdigit() and "/raylet" in _cmdline(p).split(" ")[0]]
+        return named(name, [d for r in raylets for d in descendants(r)])
+
+    def output(self, launch):
+        logs = subprocess.run([sys.executable, "-m", "launcher.jobs", "logs", str(launch.run_dir), "--lines", "2000"],
+                              cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "RAY_ADDRESS": RAY_ADDRESS})
+        return logs.stdout + logs.stderr
+
+
+def _which(name: str) -> bool:
+    import shutil
+
+    return shutil.which(name) is not None
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+BACKENDS = {b.name: b for b in (Local(), Slurm(), Ray())}
+CELLS = [(b, m, c) for b in BACKENDS for m in MODES for c in CONDITIONS]
+RESULTS: dict[tuple, str] = {}
+
+
+def cell_marks(cell):
+    backend, mode, condition = cell
+    if (backend, condition) in NOT_APPLICABLE:
+        return pytest.mark.skip(reason=f"n/a: {NOT_APPLICABLE[(backend, condition)]}")
+    if cell not in CI_CELLS and os.environ.get("MATRIX") != "all":
+        return pytest.mark.skip(reason="the whole matrix: MATRIX=all")
+    return []
+
+
+# ------------------------------------------------------------------ references: the uninterrupted run of each mode
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The final weights of each mode's uninterrupted local run (2 processes): what a stopped, killed or frozen run
+    must end with, on every backend (2 ranks alike, so the same sums in the same order)."""
+    made: dict[str, dict] = {}
+
+    def weights(mode: str) -> dict:
+        if mode not in made:
+            run_dir = tmp_path_factory.mktemp(f"reference-{mode}") / "run"
+            proc = subprocess.run([DDP_LAUNCH, *RUN, *Local.layout, *MODES[mode], f"hydra.run.dir={run_dir}"],
+                                  cwd=PROJECT, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            made[mode] = final_checkpoint(run_dir)
+        return made[mode]
+
+    return weights
+
+
+def assert_weights(ended: dict, expected: dict, what: str) -> None:
+    assert ended["step"] == expected["step"] == STEPS, what
+    for name, tensor in expected["model"].items():
+        torch.testing.assert_close(ended["model"][name], tensor, rtol=0, atol=1e-6, msg=f"{what}: {name} differs")
+
+
+def status(run_dir: Path) -> dict:
+    return json.loads((run_dir / "status.json").read_text())
+
+
+def no_shadow(text: str) -> None:
+    assert "the project's own" not in text, "the user's own train.py or launcher.py ran instead of ours"
+
+
+def act_when_training(launch: Launch) -> None:
+    wait_for(lambda: any(s >= ACT_AT for s in logged_steps(launch.run_dir)), timeout=180, what=f"step {ACT_AT}", poll=0.2)
+
+
+def find_rank(backend: Backend, launch: Launch, mode: str, rank: int) -> int:
+    """Rank `rank` of the run by its process name, as an operator finds it (replica groups: group `rank`'s rank 0)."""
+    name = f"train g{rank} rank 0" if mode == "replicas" else f"train rank {rank}"
+    found: list[int] = []
+    wait_for(lambda: found.append(backend.rank_pid(launch, name) or 0) or found[-1], timeout=30,
+             what=f"a process named {name!r}", poll=0.2)
+    return found[-1]
+
+
+# ------------------------------------------------------------------ the conditions
+
+
+def stop(backend: Backend, mode: str, run_dir: Path, reference) -> None:
+    first = backend.start(run_dir, MODES[mode], SLOW)
+    act_when_training(first)
+    backend.stop(first)
+    ended = backend.wait(first)
+    text = backend.output(first)
+    no_shadow(text)
+    assert ended == backend.stopped, f"ended {ended!r}, expected {backend.stopped!r}\n{text[-4000:]}"
+    assert "again: stopping the workers now" not in text  # no process took its one signal for a second one
+    said = status(run_dir)
+    assert said["status"] == "stopped", said
+    saved = final_checkpoint(run_dir)["step"]
+    assert ACT_AT <= saved < STEPS and said.get("step") == saved, (said, saved)
+    again = backend.start(run_dir, MODES[mode], SLOW)  # the same command
+    assert backend.wait(again) == backend.finished, backend.output(again)[-4000:]
+    assert f"resumed at step {saved}" in backend.output(again)
+    assert_weights(final_checkpoint(run_dir), reference(mode), f"{backend.name} {mode}: stopped at {saved}, resumed")
+
+
+def kill(backend: Backend, mode: str, run_dir: Path, reference, sig: int = signal.SIGKILL, rank: int = 1) -> None:
+    overrides = [*MODES[mode], *backend.restarts(mode)]
+    if sig == signal.SIGSTOP and mode == "replicas":  # the live group's wait for the frozen one is torchft's to end
+        overrides += ["trainer.timeout_s=3", "trainer.hang_timeout_s=4"]
+    elif sig == signal.SIGSTOP:
+        overrides += ["trainer.hang_timeout_s=3"]
+    first = backend.start(run_dir, overrides, SLOWER if mode == "replicas" else SLOW)
+    act_when_training(first)
+    pid = find_rank(backend, first, mode, rank)
+    os.kill(pid, sig)
+    if sig == signal.SIGSTOP:
+        wait_for(lambda: any((run_dir / "hang").glob("*/summary.txt")), timeout=60, what="a hang report")
+        summaries = "".join(p.read_text() for p in (run_dir / "hang").glob("*/summary.txt"))
+        assert f"no report from rank {rank}" in summaries, summaries
+    ended = backend.wait(first)
+    text = backend.output(first)
+    no_shadow(text)
+    if backend.name == "slurm" and mode != "replicas":  # a task per rank, no agent: the same command resumes
+        assert ended == backend.failed, f"ended {ended!r}\n{text[-4000:]}"
+        assert status(run_dir)["status"] == "failed", status(run_dir)
+        if sig == signal.SIGKILL:  # SLURM's own word for it: the rank's task was killed
+            assert "task 1: Killed" in text, text[-3000:]
+        again = backend.start(run_dir, overrides, SLOW)
+        assert backend.wait(again) == backend.finished, backend.output(again)[-4000:]
+        text = backend.output(again)
+        assert "resumed at step" in text
+    else:
+        assert ended == backend.finished, f"ended {ended!r}\n{text[-4000:]}"
+    if mode == "replicas":
+        assert "healed from a live replica group" in text
+        for group in (0, 1):
+            assert f"replica group {group}: weights identical to the other groups' at step {STEPS}" in text
+        assert final_checkpoint(run_dir)["step"] == STEPS
+    else:
+        assert_weights(final_checkpoint(run_dir), reference(mode), f"{backend.name} {mode}: rank {rank} sent {sig}")
+
+
+def freeze(backend: Backend, mode: str, run_dir: Path, reference) -> None:
+    kill(backend, mode, run_dir, reference, sig=signal.SIGSTOP, rank=0)
+
+
+def fail(backend: Backend, mode: str, run_dir: Path, reference) -> None:
+    # rank 1; with replica groups, group 1's rank 0 (a group's ranks count from 0)
+    env = {"MATRIX_FAIL_AT": "12", **({"MATRIX_FAIL_RANK": "0", "MATRIX_FAIL_GROUP": "1"} if mode == "replicas" else
+                                      {"MATRIX_FAIL_RANK": "1"})}
+    first = backend.start(run_dir, [*MODES[mode], *backend.restarts(mode, 0)], env)
+    ended = backend.wait(first)
+    text = backend.output(first)
+    no_shadow(text)
+    assert "ValueError: the user's model broke at its forward call 12" in text
+    assert 'models.py", line' in text  # their own traceback, not torch's placeholder
+    assert "To enable traceback see" not in text
+    if mode == "replicas":  # a group that fails for good leaves the others to finish the run (docs/fault-tolerance.md)
+        assert ended == backend.finished, f"ended {ended!r}\n{text[-4000:]}"
+        assert "failed for good; the others finished the run" in text
+        return
+    assert ended == backend.failed, f"ended {ended!r}\n{text[-4000:]}"
+    said = status(run_dir)
+    assert said["status"] == "failed" and "the user's model broke" in said.get("error", ""), said
+
+
+def lost(backend: Backend, mode: str, run_dir: Path, reference) -> None:
+    cluster = REPO / "ray-cluster" / "test-cluster.sh"
+    first = backend.start(run_dir, [*MODES[mode], *backend.restarts(mode, 2)], {"POINTS_DELAY_S": "0.01"})
+    act_when_training(first)
+    try:
+        subprocess.run([str(cluster), "kill-worker"], check=True, timeout=30)  # SIGKILL: the node is gone
+    finally:
+        subprocess.run([str(cluster), "start-worker"], check=True, timeout=120)  # and comes back
+    ended = backend.wait(first)
+    text = backend.output(first)
+    no_shadow(text)
+    assert ended == backend.finished, f"ended {ended!r}\n{text[-4000:]}"
+    assert "resumed at step" in text or "healed from a live replica group" in text
+    if mode != "replicas":
+        assert_weights(final_checkpoint(run_dir), reference(mode), f"{backend.name} {mode}: a node lost")
+
+
+@pytest.mark.parametrize("cell", [pytest.param(c, id="-".join(c), marks=cell_marks(c)) for c in CELLS])
+def test_cell(cell, tmp_path, reference):
+    backend_name, mode, condition = cell
+    backend = BACKENDS[backend_name]
+    why_not = backend.available()
+    if why_not:
+        pytest.skip(why_not)
+    RESULTS[cell] = "failed"
+    with backend.lock():
+        try:
+            globals()[condition](backend, mode, tmp_path / "run", reference)
+        finally:
+            end_leftovers(tmp_path / "run")
+    RESULTS[cell] = "passed"
+
+
+def end_leftovers(run_dir: Path) -> None:
+    """A failed cell leaves nothing running: every process whose command line names the run directory (launchers,
+    relays, zygotes, the ranks forked from them, SLURM's tasks), woken first where it was frozen, then killed."""
+    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and str(run_dir) in _cmdline(p)]:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def table(request):
+    """The matrix's table at the end of the module's tests: every cell's outcome, n/a with why."""
+    yield
+    lines = [f"{'backend':8} {'mode':9} " + " ".join(f"{c:8}" for c in CONDITIONS)]
+    for backend in BACKENDS:
+        for mode in MODES:
+            row = [RESULTS.get((backend, mode, c), "n/a" if (backend, c) in NOT_APPLICABLE else "-") for c in CONDITIONS]
+            lines.append(f"{backend:8} {mode:9} " + " ".join(f"{r:8}" for r in row))
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("\nconformance matrix (- not run):\n" + "\n".join(lines))
+
+
+def test_the_matrix_names_every_cell_once():
+    assert len(CELLS) == len(BACKENDS) * len(MODES) * len(CONDITIONS) == len(set(CELLS))
+    assert CI_CELLS <= set(CELLS)
+    assert {c for (_, c) in NOT_APPLICABLE} <= set(CONDITIONS) and {b for (b, _) in NOT_APPLICABLE} <= set(BACKENDS)
