@@ -211,6 +211,30 @@ class Boom(nn.Module):
 """
 
 
+def test_status_keeps_the_rank_that_failed_by_itself_whichever_nodes_agent_writes_first(tmp_path):
+    """Each node's agent writes its own ranks' failure: node 0's rank 0 only lost its peer (gloo's "Connection
+    closed by peer") when node 1's rank 1 raised, and wrote last on Ray, hiding the user's error (the matrix's
+    ray-fsdp-fail)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from launcher.local import note_failure
+    from train.observe.status import read_status
+
+    def failure(rank: int, text: str, at: int) -> dict:
+        error_file = tmp_path / f"error{rank}.json"
+        error_file.write_text(json.dumps({"message": {"message": text, "extraInfo": {"py_callstack": "", "timestamp": str(at)}}}))
+        return {rank: ProcessFailure(0, 100 + rank, 1, str(error_file))}
+
+    cause = failure(1, "ValueError: the user's model broke", at=1000)
+    lost = failure(0, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:41600", at=1000)
+    for order in ((cause, lost), (lost, cause)):
+        run_dir = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+        run_dir.mkdir()
+        for failures in order:
+            note_failure(run_dir, failures)
+        assert read_status(run_dir)["error"] == "rank 1 failed, exit code 1: ValueError: the user's model broke"
+
+
 def test_ranks_that_fail_alike_print_one_traceback_and_a_line_each(tmp_path):
     project = tmp_path / "project"
     project.mkdir()

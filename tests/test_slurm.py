@@ -320,6 +320,13 @@ def test_the_sbatch_script_asks_for_the_world_the_config_describes():
                  "#SBATCH --signal=USR1@300", "#SBATCH --requeue", "#SBATCH --time=60", "export SUBMITIT_PREEMPT_SIGNAL=USR1",
                  "unset MASTER_ADDR MASTER_PORT RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE"):
         assert line in script
+    # One task failing or hung ends the step (the matrix's slurm-ddp-freeze waited 240 s on a frozen rank before);
+    # replica groups run on without a node's groups that failed for good.
+    [srun] = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert "--kill-on-bad-exit=1" in srun
+    replicas = typed("launcher=slurm", "trainer.nodes=2", "trainer.fault_tolerance=replicas", "trainer.replica_groups=2")
+    assert "--kill-on-bad-exit" not in _make_sbatch_string(command="python -m x", folder="/tmp/f",
+                                                            **executor_parameters(replicas))
 
 
 def test_each_task_gets_its_share_of_the_node_cpus_and_survives_a_preemption_sigterm():
