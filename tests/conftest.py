@@ -224,7 +224,12 @@ def descendants(pid: int) -> list[int]:
 def process_named(name: str, under: int) -> int | None:
     """The process below `under` whose name (ps, top, pgrep's) is `name`, e.g. "train rank 0", as an operator finds
     a rank to signal it; None if there is none."""
-    for pid in descendants(under):
+    return named(name, descendants(under))
+
+
+def named(name: str, pids) -> int | None:
+    """The first of `pids` whose name (/proc/PID/comm) is `name`; None if none is."""
+    for pid in pids:
         try:
             if open(f"/proc/{pid}/comm").read().strip() == name:
                 return pid

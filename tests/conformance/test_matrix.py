@@ -37,8 +37,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import FAST, REPO, cluster_started, descendants, final_checkpoint, logged_steps, shared_lock, wait_for
+from conftest import (
+    FAST,
+    REPO,
+    cluster_started,
+    descendants,
+    final_checkpoint,
+    logged_steps,
+    named,
+    shared_lock,
+    wait_for,
+)
 
 PROJECT = Path(__file__).resolve().parent / "project"
 DDP_LAUNCH = str(Path(sys.executable).parent / "ddp-launch")  # `python -m launcher` there would run their launcher.py
@@ -124,16 +133,6 @@ class Backend:
         import contextlib
 
         return contextlib.nullcontext()
-
-
-def named(name: str, pids) -> int | None:
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
-                return pid
-        except OSError:
-            continue
-    return None
 
 
 class Local(Backend):
