@@ -303,12 +303,25 @@ class AnnouncedRendezvous:
             return None
 
     def next_rendezvous(self):
-        done = threading.Event()
+        # In a thread of its own: the main thread waits on an event, where a Ctrl-C ends the launch at once. Inside
+        # the handler's C++ store calls, it would wait for the call to return (once over 30 s in CI, 2 cores busy).
+        done, outcome = threading.Event(), {}
+
+        def meet() -> None:
+            try:
+                outcome["value"] = self.handler.next_rendezvous()
+            except BaseException as error:  # noqa: BLE001 - raised in the caller's thread below
+                outcome["error"] = error
+            finally:
+                done.set()
+
         threading.Thread(target=self._announce, args=(done,), name="rendezvous-announcer", daemon=True).start()
-        try:
-            return self.handler.next_rendezvous()
-        finally:
-            done.set()
+        threading.Thread(target=meet, name="rendezvous", daemon=True).start()
+        while not done.wait(0.5):
+            pass
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     def _announce(self, done: threading.Event) -> None:
         start, wait = time.monotonic(), self.FIRST_S

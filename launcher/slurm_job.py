@@ -178,7 +178,7 @@ class SlurmScript:
         status = "stopped" if stops else "failed" if code else "finished"  # a stop's exit code is the script's
         if status == "failed":  # every failing task says so; the first failure it knows of is the run's error
             write_status(run_dir, status, error=first_error(errors) or f"rank {os.environ['RANK']}: exit code {code}")
-        elif first:
+        elif first and read_status(run_dir).get("status") != "failed":  # SLURM's stop after a rank failed is no stop
             write_status(run_dir, status)
         if renewer:
             renewer.stop(release_lease=True)
