@@ -26,25 +26,12 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig
 
-from launcher.agent import (
-    FROZEN_MARGIN_S,
-    failure_headline,
-    failure_report,
-    first_failed,
-    restart_would_repeat,
-    root_causes,
-    run_agent,
-)
+from launcher.agent import FROZEN_MARGIN_S, failure_headline, failure_report, first_failed, restart_would_repeat
+from launcher.agent import root_causes, run_agent
 from launcher.backend import Backend, check_run_dir_free
 from launcher.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.lighthouse import LIGHTHOUSE_ENV, die_with_launcher, meeting_place
-from launcher.network import (
-    NODE_ADDR_ENV,
-    check_network,
-    hosts_rendezvous,
-    port_in_use,
-    resolution_error,
-)
+from launcher.network import NODE_ADDR_ENV, check_network, hosts_rendezvous, port_in_use, resolution_error
 from launcher.schema import Config
 from launcher.script import script_command, script_env
 from train import zygote
@@ -146,13 +133,18 @@ def _check_endpoint(cfg: Config, problems: list[str]) -> None:
 
 
 def note_failure(run_dir: Path, failures: dict) -> None:
-    """status.json "failed" with the first failing rank's error. On several nodes each node's agent reports its own
-    ranks: a rank that failed by itself wins over one that only lost a peer to it (PEER_LOST), then the earlier."""
-    first = list(first_failed(min(root_causes(failures), key=first_failed))[:2])
+    """status.json "failed" with the first failing rank's error, of this node's agent's ranks."""
+    record_failure(run_dir, failure_headline(failures), first_failed(min(root_causes(failures), key=first_failed))[:2])
+
+
+def record_failure(run_dir: Path, error: str, order: tuple[bool, float]) -> None:
+    """status.json "failed" with `error`, unless it holds one that came first. Every node's agent (every SLURM task)
+    reports its own ranks: a rank that failed by itself wins over one that only lost a peer to it (order: whether it
+    lost a peer, when it failed), then the earlier."""
     said = read_status(run_dir)
-    if said.get("status") == "failed" and said.get("first_failed", [True, float("inf")]) <= first:
+    if said.get("status") == "failed" and said.get("first_failed", [True, float("inf")]) <= list(order):
         return
-    write_status(run_dir, "failed", error=failure_headline(failures), first_failed=first)
+    write_status(run_dir, "failed", error=error, first_failed=list(order))
 
 
 def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig | None = None) -> int:

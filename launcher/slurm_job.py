@@ -103,11 +103,10 @@ class SlurmTask:
             outcome = main(self.snapshot)
         except Exception as error:  # the task that failed by itself says so, not one that lost a peer to it
             from launcher.agent import PEER_LOST
+            from launcher.local import record_failure
 
-            said = read_status(run_dir)
-            lost_peer = any(marker in str(error) for marker in PEER_LOST)
-            if said.get("status") != "failed" or (not lost_peer and any(m in said.get("error", "") for m in PEER_LOST)):
-                write_status(run_dir, "failed", error=f"rank {os.environ['RANK']} failed: {type(error).__name__}: {error}")
+            record_failure(run_dir, f"rank {os.environ['RANK']} failed: {type(error).__name__}: {error}",
+                           (any(marker in str(error) for marker in PEER_LOST), time.time()))
             raise
         requeue = outcome.status == "stopped" and (outcome.signal == self.requeue_signal or (
             outcome.signal == "SIGTERM" and preemption_decided(job_id, slurm_folder(run_dir), os.environ["RANK"] == "0")))

@@ -36,12 +36,14 @@ def longest_first(nodeids: list[str], seconds: dict[str, float]) -> list[str]:
 
 
 def from_junit(path: Path) -> dict[str, float]:
-    """Each test file's seconds, from a junit report of the whole suite (classnames `tests.test_x`)."""
+    """Each test file's seconds, from a junit report of the whole suite (classnames `tests.test_x`, in a folder
+    `tests.conformance.test_matrix`, a test class after the module)."""
     seconds: Counter[str] = Counter()
     for case in ElementTree.parse(path).iter("testcase"):
-        module = case.get("classname", "").split(".")
-        if len(module) >= 2 and module[0] == "tests":
-            seconds[f"tests/{module[1]}.py"] += float(case.get("time", 0))
+        parts = case.get("classname", "").split(".")
+        module = next((i for i, part in enumerate(parts) if part.startswith("test_")), None)
+        if parts[0] == "tests" and module is not None:
+            seconds["/".join(parts[:module + 1]) + ".py"] += float(case.get("time", 0))
     return {file: round(total, 1) for file, total in seconds.most_common()}
 
 
