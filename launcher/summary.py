@@ -6,7 +6,8 @@ from pathlib import Path
 
 from launcher.local import threads_per_process
 from launcher.schema import Config
-from train.parallel.layout import layout_of, procs_per_node, world_size
+from train.fault_tolerance import groups
+from train.parallel.layout import fsdp_shards, layout_of, procs_per_node, world_size
 from train.checkpoint import checkpoint_dir, committed
 from train.dist import resolve_backend
 from train.optim import global_batch_size, replicas, scaled_lr
@@ -41,11 +42,14 @@ def describe_schedule(node: dict) -> str:
 
 def _strategy(cfg: Config, world: int) -> str:
     t = cfg.trainer
-    layout = layout_of(t, world, procs_per_node(cfg.trainer))
+    layout = layout_of(t, world // groups(t), procs_per_node(cfg.trainer))  # a replica group's
     split = f"; each layer split {layout.tp} ways within a tp group (tensor parallel)" if layout.tp > 1 else ""
     if t.strategy == "fsdp" and layout.dp_replicate > 1:
         return (f"fsdp (HSDP): {layout.dp_replicate} copies of the model, each sharded {layout.dp_shard} ways block by "
                 f"block; gradients all-reduced between the copies{split}")
+    if t.strategy == "fsdp" and not fsdp_shards(t, layout):
+        return ("fsdp on one process: nothing to shard, so the whole model trains on its device as under ddp (FSDP's "
+                "gathers would only cost time); checkpoints keep fsdp's format. trainer.fsdp_cpu_offload=true keeps FSDP")
     if t.strategy == "fsdp":
         return STRATEGY_NOTES["fsdp"].format(world=layout.dp_shard) + split
     return STRATEGY_NOTES[t.strategy].format(world=world, microbatches=t.microbatches, schedule=t.pipeline_schedule)

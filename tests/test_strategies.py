@@ -56,6 +56,22 @@ def test_fsdp_reaches_the_weights_of_ddp_with_half_the_parameter_memory(fsdp_run
         assert sharded[f"rank{rank}_optim_mb"] == pytest.approx(replicated[f"rank{rank}_optim_mb"] / 2, rel=0.02)
 
 
+def test_fsdp_on_one_process_trains_the_whole_model_as_ddp_does_and_says_so(launch, tmp_path, one_process_batch_32):
+    """Nothing to shard on one rank: FSDP's gathers and hooks only cost time there (2.4x slower than a plain model for
+    GPT-2 124M on an H200), so the model stays whole (its parameters plain tensors, not DTensor shards), the launcher
+    says so in its strategy line, the checkpoint stays fsdp's, and the weights are those of one ddp process."""
+    run = tmp_path / "run"
+    proc = launch(*IDENTITY, "trainer.strategy=fsdp", "trainer.procs_per_node=1", "data.batch_size=32",
+                  "checkpoint.format=file", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fsdp on one process: nothing to shard" in proc.stdout
+    saved = final_checkpoint(run)
+    assert saved["strategy"] == "fsdp" and saved["step"] == 24
+    assert_same_weights(saved["model"], one_process_batch_32["model"])
+    whole = sum(p.numel() * 4 for p in single_device_model().parameters()) / 2**20
+    assert memory(run)["rank0_param_mb"] == pytest.approx(whole, rel=0.01)
+
+
 def test_fsdp_checkpoint_file_is_a_plain_state_dict_and_resumes_exactly(launch, tmp_path, fsdp_run):
     """checkpoint.format=file under fsdp (sharded step directories are tested in test_sharded_checkpoints.py)."""
     run = [*IDENTITY, "trainer.strategy=fsdp", "trainer.procs_per_node=2", "data.batch_size=16", "checkpoint.format=file",

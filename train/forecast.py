@@ -188,7 +188,7 @@ def forecast(cfg: TrainConfig, rank: int, world: int) -> dict:
         with torch.device("meta"):
             model = build_model(cfg)
         parameters = sum(p.numel() for p in model.parameters())
-        largest_unit = 0
+        largest_unit, strategy = 0, None
         if cfg.trainer.strategy == "fsdp":
             largest_unit = largest_gathered(cfg, shard_units(model)) // cfg.trainer.tp  # a tp rank gathers its part
             strategy = build_strategy(model, cfg.trainer, env, torch.device("cpu"))  # the real mesh and sharding
@@ -205,7 +205,7 @@ def forecast(cfg: TrainConfig, rank: int, world: int) -> dict:
             "gradient_bytes": grads, "optimizer_bytes": state, "activation_bytes": activation_bytes,
             "output_gradient_bytes": output_gradient_bytes,
             "activation_note": activation_note,
-            "gathered_bytes": 2 * largest_unit if cfg.trainer.strategy == "fsdp" else 0,
+            "gathered_bytes": 2 * largest_unit if getattr(strategy, "sharded", False) else 0,
             "mesh": _mesh(cfg, env),
         }
     finally:

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from train.build import compile_blocks
 from train.config import TrainerConfig
 from train.dist import DistEnv
-from train.parallel.layout import layout_of
+from train.parallel.layout import fsdp_shards, layout_of
 from train.models.vision import blocks
 from train.parallel.strategy import Strategy, call_model, clip_global_norm
 from train.parallel.tensor_parallel import apply_tensor_parallel, model_plan
@@ -95,6 +95,12 @@ class FSDPStrategy(Strategy):
         super().__init__(model, cfg, env, device)
         model.to(memory_format=torch.contiguous_format)
         layout = self.layout
+        self.tp_rank = 0
+        self.sharded = fsdp_shards(cfg, layout)
+        if not self.sharded:  # one rank: the plain model (see fsdp_shards); launcher/summary.py says so
+            self.module = torch.compile(model) if cfg.compile else model
+            return
+        self.module = model
         self.copies = layout.dp_replicate  # HSDP: every shard is held by this many ranks
         mesh = layout.mesh(device.type, always=("dp_shard",))
         self.tp_rank = mesh["tp"].get_local_rank() if layout.tp > 1 else 0
@@ -114,10 +120,11 @@ class FSDPStrategy(Strategy):
         return parameter_device(self.cfg, self.device)
 
     def forward_backward(self, inputs, targets, *, loss, sync: bool, autocast, scaler, call=call_model) -> torch.Tensor:
-        self.model.set_requires_gradient_sync(sync)  # FSDP's no_sync: accumulate unsharded, reduce-scatter last
+        if self.sharded:
+            self.model.set_requires_gradient_sync(sync)  # FSDP's no_sync: accumulate unsharded, reduce-scatter last
         with self.loss_context():
             with autocast():
-                value = loss(call(self.model, inputs), targets)
+                value = loss(call(self.module, inputs), targets)
             value.backward()  # fp16 (a grad scaler) is refused for fsdp before start
         value = value.to_local() if hasattr(value, "to_local") else value  # loss parallel: replicated on the tp group
         return value.detach().float()
@@ -135,6 +142,8 @@ class FSDPStrategy(Strategy):
         """By the norm of the whole gradient: each rank's shards, summed over ranks on the training device (with CPU
         offload the shards are in host memory, and NCCL reduces only GPU tensors)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not self.sharded:
+            return clip_global_norm(grads, max_norm, self.device)
         clip_global_norm([g.to_local() for g in grads], max_norm, self.device, copies=[copies_of(g) for g in grads])
 
     @torch.no_grad()
