@@ -179,3 +179,28 @@ def test_the_prepared_gpu_command_installs_its_wheels_apart_and_leaves_its_table
     assert table["device"] == "CPU (gloo)"
     assert [(r["check"], r["ok"]) for r in table["checks"]] == [("ranks forked from the zygote", True)]
     assert "PASS  ranks forked from the zygote" in (out / "gpu_run.log").read_text()
+
+
+def test_a_trace_summary_counts_each_operation_once_and_the_gpu_busy_once_per_instant(tmp_path):
+    """benchmarks/trace_summary.py on a crafted chrome trace: a parent's own time excludes its children's, and two
+    overlapping kernels on two streams are busy time once."""
+    import json
+
+    from benchmarks.trace_summary import busy, self_times, summary
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "train step 3", "ts": 0, "dur": 1000, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "ts": 100, "dur": 500, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 150, "dur": 300, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 700, "dur": 100, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 200, "dur": 400, "pid": 0, "tid": 7},
+        {"ph": "X", "cat": "kernel", "name": "copy", "ts": 500, "dur": 200, "pid": 0, "tid": 8},
+    ]
+    ops = [e for e in events if e["cat"] == "cpu_op"]
+    assert self_times(ops) == {"aten::linear": 200, "aten::mm": 400}
+    assert busy([e for e in events if e["cat"] == "kernel"]) == 500  # 200..700
+    trace = tmp_path / "rank0.pt.trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    text = summary(trace)
+    assert "1 step(s), 1.0 ms each" in text and "GPU busy 0.5 ms a step (50%" in text
+    assert "aten::mm 0.40 ms; aten::linear 0.20 ms" in text
