@@ -86,13 +86,14 @@ from torch.utils.data import Dataset
 
 
 class Poisoned(Dataset):
-    """y = sum(x) on 8 features; on rank `poison_rank`, the samples of its micro-batch number `batch` (counted from
-    1) hold a NaN: a loss that is not finite at that step, on that rank only."""
+    """y = sum(x) on 8 features; on rank `poison_rank` (of replica group `poison_group`, if given), the samples of its
+    micro-batch number `batch` (counted from 1) hold a NaN: a loss that is not finite at that step, on that rank only."""
 
-    def __init__(self, poison_rank: int = -1, batch: int = 0, batch_size: int = 8):
+    def __init__(self, poison_rank: int = -1, batch: int = 0, batch_size: int = 8, poison_group: int = -1):
         generator = torch.Generator().manual_seed(0)
         self.x = torch.randn(256, 8, generator=generator)
-        self.poisoned = os.environ.get("RANK") == str(poison_rank)
+        self.poisoned = os.environ.get("RANK") == str(poison_rank) and (
+            poison_group < 0 or os.environ.get("REPLICA_GROUP_ID") == str(poison_group))
         self.first, self.last = (batch - 1) * batch_size, batch * batch_size
         self.served = 0
 
@@ -159,6 +160,21 @@ def test_trainer_nonfinite_skip_drops_the_step_and_goes_on(poisoned, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = final_checkpoint(tmp_path / "run")
     assert final["step"] == 8 and all(torch.isfinite(v).all() for v in final["model"].values())
+    skipped = {r["step"]: r["skipped_steps"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"}
+    assert skipped[3] == 0 and skipped[4] == 1 and skipped[8] == 1
+
+
+def test_replica_groups_skip_a_step_together_when_one_groups_loss_is_not_finite(poisoned, tmp_path):
+    """trainer.nonfinite=skip with 2 replica groups: group 1's loss is NaN at step 4 and its NaN gradients are averaged
+    into group 0's; group 0's own loss was finite, and stepping on them made its weights NaN (each group agreed its skip
+    with its own ranks only). The verdict crosses the groups with the gradients: both skip step 4, end identical."""
+    proc = poisoned_run(poisoned, tmp_path / "run", "trainer.nonfinite=skip", "trainer.fault_tolerance=replicas",
+                        "trainer.replica_groups=2", "+data.train.poison_group=1", "data.train.poison_rank=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = final_checkpoint(tmp_path / "run")
+    assert final["step"] == 8 and all(torch.isfinite(v).all() for v in final["model"].values())
+    for group in (0, 1):
+        assert f"replica group {group}: weights identical to the other groups' at step 8" in proc.stdout
     skipped = {r["step"]: r["skipped_steps"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"}
     assert skipped[3] == 0 and skipped[4] == 1 and skipped[8] == 1
 

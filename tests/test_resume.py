@@ -4,6 +4,7 @@ a hang; a stop signal is only a flag. Real processes, faults from tests/faults/s
 from __future__ import annotations
 
 import math
+import signal
 import subprocess
 import sys
 import textwrap
@@ -136,6 +137,33 @@ def test_the_stop_signal_handler_only_sets_a_flag_and_the_loop_reports_it():
     assert proc.returncode == 0
     assert "flag True" in proc.stdout and "agreed True" in proc.stdout
     assert "SIGUSR1: saving a checkpoint at the next step boundary" in proc.stderr  # printed by the loop, later
+
+
+COPIES = textwrap.dedent(
+    """
+    import os, signal
+    import torch.distributed as dist
+    from train.stopping import SAME_DELIVERY_S, StopRequest
+
+    now = [100.0]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    stop = StopRequest(["SIGUSR1"], 0.001, group=dist.group.WORLD, clock=lambda: now[0])
+    for _ in range(3):  # the rank itself, its relay passing it on, its agent passing it on: one stop
+        os.kill(os.getpid(), signal.SIGUSR1)
+    print("one stop", stop.received == signal.SIGUSR1, flush=True)
+    now[0] += SAME_DELIVERY_S + 0.5  # a person's second Ctrl-C: stop at once
+    os.kill(os.getpid(), signal.SIGUSR1)
+    print("still alive", flush=True)
+    """
+)
+
+
+def test_copies_of_one_stop_signal_are_one_stop_and_a_later_one_stops_at_once():
+    """On SLURM a step's signal reaches a rank itself, through its relay and through its agent within milliseconds:
+    taken as a second signal, the replica groups died (exit 143) without their stop's checkpoint."""
+    proc = subprocess.run([sys.executable, "-c", COPIES], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "one stop True" in proc.stdout, proc.stderr[-2000:]
+    assert "still alive" not in proc.stdout and proc.returncode == -signal.SIGUSR1
 
 
 class Clock:

@@ -50,8 +50,8 @@ class Alone:
     def join_step(self) -> bool:
         return False
 
-    def average_gradients(self, parameters) -> None:
-        pass
+    def average_gradients(self, parameters, bad: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
+        return bad, stop
 
     def commit(self) -> bool:
         return True
@@ -109,19 +109,27 @@ class ReplicaGroups:
         self.manager.start_quorum()
         return self._healed
 
-    def average_gradients(self, parameters) -> None:
+    def average_gradients(self, parameters, bad: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
         """The mean of each gradient over the groups taking part (one flat buffer, one all-reduce). Under fsdp a
         rank holds its shard of each gradient, and rank r of every group holds the same shard: the shards are
-        averaged, rank with rank."""
+        averaged, rank with rank.
+
+        Two verdicts travel in the same buffer, so that every group acts on them at the same step: `bad` (this rank's
+        loss was not finite: a NaN averaged into every group's gradients must be skipped by all, not stepped on by the
+        groups whose own loss was finite) and `stop` (this rank had a stop signal: every group stops after this
+        step, train/stopping.py). Returned: whether any group's rank r said so (a host sync: the all-reduce is
+        waited for anyway)."""
         grads = [local(p.grad) for p in parameters if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        dtype = grads[0].dtype if grads else torch.float32
+        verdicts = torch.stack([bad.reshape(()), torch.tensor(stop, device=bad.device)]).to(bad.device, dtype)
+        flat = torch.cat([*(g.reshape(-1) for g in grads), verdicts.to(grads[0].device if grads else bad.device)])
         self.manager.allreduce(flat).wait()
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+        heard = flat[offset:] > 0  # a mean over the groups: above 0 if any said 1
+        return heard[0].to(bad.device), bool(heard[1].item())
 
     def commit(self) -> bool:
         """Whether every group of the quorum got through this step (else it is dropped everywhere)."""

@@ -33,10 +33,11 @@ class FiniteWatch:
         self.first = torch.full((), -1.0, dtype=torch.float64, device=device)  # the first bad step here; -1: none
         self.skipped = 0
 
-    def add(self, loss: torch.Tensor) -> bool:
-        """Note this step's loss; under `skip`, whether the step may be applied (collective, a host sync)."""
+    def add(self, loss: torch.Tensor, bad: torch.Tensor | None = None) -> bool:
+        """Note this step's loss; under `skip`, whether the step may be applied (collective, a host sync). `bad`:
+        whether the step's loss was not finite here or in another replica group (train/fault_tolerance.py)."""
         self.step += 1
-        bad = ~torch.isfinite(loss)
+        bad = ~torch.isfinite(loss) if bad is None else bad
         if self.policy == "skip":
             flag = bad.to(torch.float32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

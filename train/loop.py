@@ -115,7 +115,8 @@ def fit(run: Run) -> Outcome:
         metrics.log("checkpoint", progress.step, {"load_s": progress.load_s})
         metrics.note("resume", f"resumed at step {progress.step} (checkpoint loaded in {progress.load_s:.1f} s)"
                      + (f", after {restarts} restarts of the process group" if restarts else ""), progress.step)
-    stop = StopRequest(cfg.trainer.stop_signals, cfg.trainer.stop_check_s, run.control)
+    stop = StopRequest(cfg.trainer.stop_signals, cfg.trainer.stop_check_s, run.control,
+                       across_groups=isinstance(run.replicas, ReplicaGroups))
     batches = run.batches
     # Not under compile: recording events inside the compiled forward would split its graph.
     forward = None if cfg.trainer.compile else ForwardClock(run.strategy.model, run.device)
@@ -147,7 +148,7 @@ def fit(run: Run) -> Outcome:
                 watchdog.phase("the first step") if first else contextlib.nullcontext(), \
                 saved or contextlib.nullcontext(), profiler.step(progress.step + 1):
             committed = train_step(run.strategy, run.task, micro_batches, run.optimizer, run.scheduler, run.scaler,
-                                   run.autocast, cfg.trainer, meter, run.finite, run.replicas)
+                                   run.autocast, cfg.trainer, meter, run.finite, run.replicas, stop)
         if not committed:  # a replica group failed during the step: every group drops it and takes it again
             micro_batches = None
             continue
@@ -188,9 +189,8 @@ def fit(run: Run) -> Outcome:
             break
 
     run.finite.check()
-    # The groups' weights are compared at the run's end only: a stop is agreed within each group, at the step it reaches
-    # (the groups are a step or so apart), and a check there would pair one group's comparison with another's gradients.
-    if not stopped and (identical := run.replicas.identical(run.strategy.model)) is not None and env.rank == 0:
+    # The groups' weights are compared where they end: the last step, or the step they agreed to stop after.
+    if (identical := run.replicas.identical(run.strategy.model)) is not None and env.rank == 0:
         # One write, line and newline together: the groups' processes share the console (print() writes the two
         # apart under -u, and two groups' lines ran together)
         sys.stdout.write(f"replica group {replica_group()}: weights {'identical to' if identical else 'DIFFERENT from'} "

@@ -229,13 +229,15 @@ def train_step(
     meter: Meter,
     finite: FiniteWatch,
     replicas=None,
+    stop=None,
 ) -> bool:
     """The loss of a step is the sum of every counted item's loss over the global batch, divided by their number
     (train/tasks.py): each micro-batch's summed loss is scaled by replicas / global count, so that the gradients,
     averaged over replicas and added over micro-batches, are those of the global mean. The micro-batches are read
     first: their count is needed before the first backward. With replica groups (train/fault_tolerance.py) the
     gradients are then averaged over the groups taking part, and the step is taken only if they all commit it:
-    whether it was is the return value."""
+    whether it was is the return value. A loss that is not finite, and a stop signal (`stop`, train/stopping.py),
+    are heard by every group in the same step."""
     start = time.perf_counter()
     micro_batches = [task.split(next(batches)) for _ in range(cfg.accumulate)]
     meter.data_time += time.perf_counter() - start
@@ -257,8 +259,11 @@ def train_step(
             autocast=autocast, scaler=scaler, call=model_call(task),
         )
     replicas = replicas or Alone()
-    replicas.average_gradients(strategy.model.parameters())
-    finite_loss = finite.add(step_loss)
+    bad, stopping = replicas.average_gradients(strategy.model.parameters(), ~torch.isfinite(step_loss),
+                                               stop is not None and stop.received is not None)
+    if stop is not None:
+        stop.hear(stopping)
+    finite_loss = finite.add(step_loss, bad)
     committed = replicas.commit()  # every group asks, whatever its own loss: the answer is the quorum's
     if finite_loss and committed:
         meter.add(step_loss)

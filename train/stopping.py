@@ -12,8 +12,16 @@ waiting and read one step later (no stall; a collective per step cost ~10% of th
 benchmarks/overhead.py); where steps are longer, the check is read at once: the stop is agreed at the end of the
 step the signal came in. Either way a stop is agreed within about `check_s` plus two steps of the signal.
 
+With replica groups (train/fault_tolerance.py) each group's ranks agree among themselves, and the groups must stop
+after the same step: a group that stops one step later took that step alone, on half the global batch, and the
+resumed run was not the uninterrupted one. There a rank's signal travels first in the step's gradient all-reduce
+across the groups (`hear`: whether rank r of any group had one), then the group's ranks agree on what reached them,
+every step (a step there already waits on that all-reduce and torchft's quorum): every group sees the same votes
+at the same step, so every group stops after it.
+
 The handler only sets the flag: it may run in the middle of any write, print included. A second signal ends the
-process at once (Ctrl-C twice).
+process at once (Ctrl-C twice); copies of the first that arrive within SAME_DELIVERY_S are the same stop (on SLURM
+the step's signal reaches a rank itself, through its relay and through its agent, within milliseconds).
 """
 
 from __future__ import annotations
@@ -27,10 +35,18 @@ import torch
 import torch.distributed as dist
 
 
+# Copies of one signal that arrive within this many seconds are one stop: a person's second Ctrl-C comes later.
+SAME_DELIVERY_S = 0.5
+
+
 class StopRequest:
-    def __init__(self, signal_names: list[str], check_s: float, group: dist.ProcessGroup, clock=time.monotonic):
+    def __init__(self, signal_names: list[str], check_s: float, group: dist.ProcessGroup, clock=time.monotonic,
+                 across_groups: bool = False):
         self.check_s = check_s
+        self.across_groups = across_groups
+        self.heard = False  # across_groups: a signal of rank r of some group, heard in a step's all-reduce
         self.received: int | None = None
+        self.received_at = 0.0
         self.announced = False
         self.group = group  # the CPU control channel (train.dist.control_group), whatever the training backend
         self.clock = clock
@@ -43,11 +59,15 @@ class StopRequest:
             signal.signal(signal.Signals[name], self._on_signal)
 
     def _on_signal(self, signum: int, frame) -> None:
+        if self.received == signum and self.clock() - self.received_at < SAME_DELIVERY_S:
+            return  # the same stop, delivered by several hands (SLURM signals every process of a step: the rank, its
+            # relay, which passes it on, and the agent, which passes it on again)
         if self.received is not None:  # the second one: no checkpoint, stop now
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         self.received = signum  # only this: printing here could re-enter a write the signal interrupted
+        self.received_at = self.clock()
 
     def _announce(self) -> None:
         if self.received is not None and not self.announced:
@@ -68,9 +88,17 @@ class StopRequest:
         self.interval = int(-self.flag[1].item())
         return bool(self.flag[0].item())
 
+    def hear(self, stopping: bool) -> None:
+        """What the step's all-reduce across the replica groups said: whether rank r of any group had a signal."""
+        self.heard = self.heard or stopping
+
     def agreed(self, step: int) -> bool:
         """Call after every step on every rank. True at the step where the ranks agree that one had a signal."""
         self._announce()
+        if self.across_groups:  # every step, on what crossed the groups only: the same answer in every group
+            self.flag[0], self.flag[1] = int(self.heard), 0
+            dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
+            return bool(self.flag[0].item())
         stop = False
         if self.pending is not None:  # issued at the last check, one step ago
             stop = self._read()

@@ -368,7 +368,7 @@ def stop(backend: Backend, mode: str, run_dir: Path, reference) -> None:
     act_when_training(first)
     backend.stop(first)
     ended = backend.wait(first)
-    text = backend.output(first)
+    text = first_text = backend.output(first)
     no_shadow(text)
     assert ended == backend.stopped, f"ended {ended!r}, expected {backend.stopped!r}\n{text[-4000:]}"
     assert "again: stopping the workers now" not in text  # no process took its one signal for a second one
@@ -380,13 +380,11 @@ def stop(backend: Backend, mode: str, run_dir: Path, reference) -> None:
     assert backend.wait(again) == backend.finished, backend.output(again)[-4000:]
     text = backend.output(again)
     assert f"resumed at step {saved}" in text
-    if mode == "replicas":
-        # Each group agrees its stop with its own ranks: one may take a step alone (half the global batch) before it
-        # stops, so the resumed run need not be the uninterrupted one (seen once on SLURM). Open: a stop agreed
-        # across the groups (issue 46). What holds: the groups end identical.
+    if mode == "replicas":  # the groups stopped after the same step (train/stopping.py), and end identical
         for group in (0, 1):
+            assert f"replica group {group}: weights identical to the other groups' at step {saved}" in first_text, \
+                first_text[-3000:]
             assert f"replica group {group}: weights identical to the other groups' at step {STEPS}" in text
-        return
     assert_weights(final_checkpoint(run_dir), reference(mode), f"{backend.name} {mode}: stopped at {saved}, resumed")
 
 
