@@ -179,6 +179,18 @@ def test_replica_groups_skip_a_step_together_when_one_groups_loss_is_not_finite(
     assert skipped[3] == 0 and skipped[4] == 1 and skipped[8] == 1
 
 
+def test_replica_groups_stop_together_at_a_loss_that_is_not_finite_and_say_whose_it_was(poisoned, tmp_path):
+    """The default trainer.nonfinite=stop with 2 replica groups: group 1's loss is NaN at step 4; both groups stop
+    there (exit 65) with the last good checkpoint, and group 0 says the NaN was another group's."""
+    proc = poisoned_run(poisoned, tmp_path / "run", "trainer.fault_tolerance=replicas", "trainer.replica_groups=2",
+                        "+data.train.poison_group=1", "data.train.poison_rank=0", "trainer.log_every=3")
+    assert proc.returncode == 65, proc.stderr[-3000:]
+    assert "not finite (NaN or inf) at step 4, first on rank 0;" in proc.stderr  # group 1's
+    assert "not finite (NaN or inf) at step 4, first on rank 0 of another replica group;" in proc.stderr  # group 0's
+    newest = final_checkpoint(tmp_path / "run")
+    assert newest["step"] == 2 and all(torch.isfinite(v).all() for v in newest["model"].values())
+
+
 def test_a_replica_groups_logged_loss_is_its_batch_mean_not_divided_by_every_groups_copies(tmp_path):
     """With replica groups the meter's all-gather covers one group, whose ranks' losses are that group's mean scaled by
     its own copies; dividing by every group's copies logged 4.74 where ddp logged 6.27 on the same data."""

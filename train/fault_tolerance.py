@@ -50,8 +50,8 @@ class Alone:
     def join_step(self) -> bool:
         return False
 
-    def average_gradients(self, parameters, bad: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
-        return bad, stop
+    def average_gradients(self, parameters, bad: torch.Tensor, stop: bool) -> tuple[None, bool]:
+        return None, stop  # no other group's verdict: the loss's own (train/finite.py)
 
     def commit(self) -> bool:
         return True

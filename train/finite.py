@@ -31,13 +31,14 @@ class FiniteWatch:
         self.policy = policy
         self.step = step  # the optimizer step the next `add` belongs to, minus one
         self.first = torch.full((), -1.0, dtype=torch.float64, device=device)  # the first bad step here; -1: none
+        self.elsewhere = torch.zeros((), dtype=torch.bool, device=device)  # that step's bad loss was another group's
         self.skipped = 0
 
     def add(self, loss: torch.Tensor, bad: torch.Tensor | None = None) -> bool:
         """Note this step's loss; under `skip`, whether the step may be applied (collective, a host sync). `bad`:
         whether the step's loss was not finite here or in another replica group (train/fault_tolerance.py)."""
         self.step += 1
-        bad = ~torch.isfinite(loss) if bad is None else bad
+        crossed, bad = bad is not None, ~torch.isfinite(loss) if bad is None else bad
         if self.policy == "skip":
             flag = bad.to(torch.float32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -45,19 +46,25 @@ class FiniteWatch:
                 self.skipped += 1
                 return False
             return True
-        self.first = torch.where((self.first < 0) & bad, float(self.step), self.first)
+        first = (self.first < 0) & bad
+        if crossed:  # with replica groups: whether the first bad loss was another group's, not this one's
+            self.elsewhere = torch.where(first, torch.isfinite(loss), self.elsewhere)
+        self.first = torch.where(first, float(self.step), self.first)
         return True
 
     def check(self, doing: str = "") -> None:
         """Raise NonFiniteLoss on every rank if any rank's loss was not finite (collective)."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        # The earliest step, and the lowest rank at it, in one number: step x world + rank (exact in float64).
-        code = torch.where(self.first < 0, math.inf, self.first * world + rank)
+        # The earliest step, the lowest rank at it, and whether its bad loss was another replica group's, in one
+        # number: (step x world + rank) x 2 + elsewhere (exact in float64).
+        code = torch.where(self.first < 0, math.inf, (self.first * world + rank) * 2 + self.elsewhere.double())
         dist.all_reduce(code, op=dist.ReduceOp.MIN)
         if math.isfinite(value := code.item()):
-            step, first_rank = divmod(int(value), world)
+            at, elsewhere = divmod(int(value), 2)
+            step, first_rank = divmod(at, world)
+            where = f"rank {first_rank} of another replica group" if elsewhere else f"rank {first_rank}"
             raise NonFiniteLoss(
-                f"the training loss was not finite (NaN or inf) at step {step}, first on rank {first_rank}; "
+                f"the training loss was not finite (NaN or inf) at step {step}, first on {where}; "
                 f"{doing or 'the run stops'} so that no checkpoint holds the broken weights (the newest checkpoint is "
                 f"the last good one). Look for NaN or inf in that rank's data, lower optim.lr, set trainer.grad_clip, "
                 f"use trainer.precision=32 (bf16/fp16 overflow), or trainer.nonfinite=skip to skip such steps.")
