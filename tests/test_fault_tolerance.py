@@ -5,6 +5,7 @@ refused before start."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from conftest import FAULTS_DIR, IDENTITY, final_checkpoint, read_metrics
+from train.checkpoint import committed
 from test_multinode import NEEDS_NAMESPACES, node, nodes
 
 GROUPS = [*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.fault_tolerance=replicas"]
@@ -139,6 +141,21 @@ def test_a_group_that_never_returns_leaves_the_other_to_finish(tmp_path, launch)
     assert "replica group(s) [1] failed for good; the others finished the run" in proc.stderr
     assert final_checkpoint(run_dir)["step"] == 24
     assert [r["participants"] for r in read_metrics(run_dir) if r["kind"] == "train"][-1] == 1
+
+
+def test_a_group_0_that_never_returns_leaves_the_other_to_finish_and_to_write_the_checkpoints(tmp_path, launch):
+    """Group 0 wrote the run's checkpoints and status alone: gone for good at step 5, the other group trained to the
+    end and the run finished with no checkpoint of it. The first group of each step's quorum writes."""
+    run_dir = tmp_path / "run"
+    proc = launch(*GROUPS, "launcher.max_restarts=0", "checkpoint.every_steps=4", f"hydra.run.dir={run_dir}",
+                  env=killed(group=0, step=5))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "replica group(s) [0] failed for good; the others finished the run" in proc.stderr
+    steps = [c.step for c in committed(run_dir / "checkpoints")]
+    assert steps[-1] == 24 and final_checkpoint(run_dir)["step"] == 24, steps
+    commits = [c.commit for c in committed(run_dir / "checkpoints")]
+    assert commits == sorted(commits) and len(set(commits)) == len(commits)  # group 1's numbered after group 0's
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
 
 
 def test_a_whole_job_restart_resumes_both_groups_from_the_disk_checkpoint(tmp_path, launch):

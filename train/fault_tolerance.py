@@ -56,6 +56,9 @@ class Alone:
     def commit(self) -> bool:
         return True
 
+    def writes(self) -> bool:
+        return True
+
     def identical(self, model: torch.nn.Module) -> bool | None:
         return None
 
@@ -138,6 +141,12 @@ class ReplicaGroups:
         participants = self.manager.num_participants()
         self._fewest = participants if self._fewest is None else min(self._fewest, participants)
         return committed
+
+    def writes(self) -> bool:
+        """Whether this group writes the run's checkpoints now: the first group of the last step's quorum, the same
+        answer in every group. Group 0 while it takes part; while it is down (or gone for good), the first live one:
+        a run whose group 0 never came back finished with no checkpoint after its failure."""
+        return self.manager.participating_rank() == 0
 
     def identical(self, model: torch.nn.Module) -> bool:
         """Whether the groups taking part hold the same weights (each parameter's sum, averaged over the groups:

@@ -196,6 +196,8 @@ def fit(run: Run) -> Outcome:
         sys.stdout.write(f"replica group {replica_group()}: weights {'identical to' if identical else 'DIFFERENT from'} "
                          f"the other groups' at step {progress.step} ({run.replicas.participants} taking part)\n")
         sys.stdout.flush()
+    # The run's end is said by the process that wrote its last checkpoint (with replica groups: the first live group)
+    says_end = env.rank == 0 and run.replicas.writes()
     run.replicas.close()
     run.ckpt.close()  # a save still in flight is finished (and committed) before the run reports its end
     stop.close()
@@ -205,10 +207,10 @@ def fit(run: Run) -> Outcome:
     metrics.close()
     if stopped:
         console.print(f"stopped at step {progress.step} with a checkpoint; run the same command again to resume")
-        if env.writes:
+        if says_end:
             write_status(run.run_dir, "stopped", step=progress.step)
         return Outcome("stopped", progress.step, result, signal=stop.signal_name)
-    if env.writes:
+    if says_end:
         write_status(run.run_dir, "finished", step=progress.step, **{f"eval_{k}": v for k, v in result.items()})
     if not result:
         console.print(f"nothing to do: the run already reached step {progress.step} of {plan.stop_step}")

@@ -71,6 +71,14 @@ class CheckpointManager:
             catalog.recover(directory)
             self.next_commit = max((c.commit for c in self.committed()), default=LEGACY) + 1
 
+    def take_over(self) -> None:
+        """Write the next save (replica groups: the writing group changes when group 0 is down), numbered after
+        every commit on disk, whoever made it: a commit numbered below another group's would read as older."""
+        if not self.is_writer:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.is_writer = True
+        self.next_commit = max(self.next_commit, max((c.commit for c in self.committed()), default=LEGACY) + 1)
+
     @contextlib.contextmanager
     def waiting(self, what: str):
         """Inside: waits on other ranks' I/O, which are neither hangs (the training watchdog pauses; streams stay

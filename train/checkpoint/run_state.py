@@ -14,7 +14,7 @@ from train.checkpoint.state import Progress, build_state, own_state, restore_sta
 from train.checkpoint.weights import read_weights
 from train.config import to_dict
 from train.dist import DistEnv
-from train.fault_tolerance import replica_group
+from train.fault_tolerance import Alone
 
 if TYPE_CHECKING:
     from train.run import Run
@@ -61,8 +61,10 @@ def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
     alone while the others wait for it (its stream watched, see the manager)."""
     step, started = run.progress.step, time.perf_counter()
     run.finite.check("no checkpoint is written and the run stops")
-    if replica_group() != 0:  # replica groups (train/fault_tolerance.py): group 0 writes the run's checkpoints
+    if not run.replicas.writes():  # replica groups (train/fault_tolerance.py): one of them writes, the others skip
         return
+    if run.env.rank == 0 and not isinstance(run.replicas, Alone):
+        run.ckpt.take_over()  # this group's rank 0 writes this one, whichever group wrote the last
     if run.ckpt.saved_step == step:
         if is_best:
             run.ckpt.wait()  # best/ links the files of the step being written
