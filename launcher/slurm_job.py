@@ -81,7 +81,50 @@ def start_task(snapshot: str) -> tuple[str, Path, Lease, dict | None]:
     return job_id, run_dir, mine, None
 
 
-class SlurmTask:
+class Requeues:
+    """A task whose job requeues itself after a stop that asks for it: SLURM's warning before the time limit
+    (launcher.signal), or a SIGTERM that is a preemption; at most launcher.max_requeues times."""
+
+    max_requeues: int = 0
+    requeue_signal: str = "SIGUSR2"
+
+    def requeue_if_asked(self, job_id: str, run_dir: Path, stop_signal: str | None, renewer) -> bool:
+        """After this task's rank stopped with its checkpoint: requeue the job (its lease kept) if the stop asks
+        for it, and wait there to be stopped; otherwise release the lease. Whether it requeued."""
+        asked = stop_signal == self.requeue_signal or (
+            stop_signal == "SIGTERM" and preemption_decided(job_id, slurm_folder(run_dir), os.environ["RANK"] == "0"))
+        if asked and self._requeues_left(job_id):
+            if renewer:
+                renewer.stop(release_lease=False)  # the requeued job still owns the directory
+            self._requeue(job_id)
+            return True
+        if renewer:
+            renewer.stop(release_lease=True)  # a clean end: the directory is free
+        return False
+
+    def _requeues_left(self, job_id: str) -> bool:
+        if int(os.environ.get("SLURM_RESTART_COUNT", "0")) < self.max_requeues:
+            return True
+        print(f"not requeuing job {job_id}: launcher.max_requeues={self.max_requeues} reached", file=sys.stderr)
+        return False
+
+    def _requeue(self, job_id: str) -> None:
+        done = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        if os.environ.get("RANK") == "0":
+            # The checkpoint is committed (saving was collective); now SLURM may stop every task and requeue.
+            requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+            if requeue.returncode == 0:
+                print(f"requeued job {job_id} (requeue {done + 1} of {self.max_requeues}); it resumes from the checkpoint",
+                      file=sys.stderr, flush=True)
+            else:  # e.g. SLURM's own preemption requeued it first (PreemptMode=REQUEUE)
+                print(f"scontrol requeue {job_id}: {requeue.stderr.strip()}", file=sys.stderr, flush=True)
+        # Wait to be stopped by SLURM: returning now would let submitit record this attempt as the job's result.
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            time.sleep(1)
+
+
+class SlurmTask(Requeues):
     """What every task of the job runs (pickled by submitit, so a requeued job runs it again)."""
 
     def __init__(self, snapshot: str, max_requeues: int, requeue_signal: str):
@@ -108,47 +151,23 @@ class SlurmTask:
             record_failure(run_dir, f"rank {os.environ['RANK']} failed: {type(error).__name__}: {error}",
                            (any(marker in str(error) for marker in PEER_LOST), time.time()))
             raise
-        requeue = outcome.status == "stopped" and (outcome.signal == self.requeue_signal or (
-            outcome.signal == "SIGTERM" and preemption_decided(job_id, slurm_folder(run_dir), os.environ["RANK"] == "0")))
-        if requeue and self._requeues_left(job_id):
-            if renewer:
-                renewer.stop(release_lease=False)  # the requeued job still owns the directory
-            self._requeue(job_id)
-        elif renewer:
-            renewer.stop(release_lease=True)  # a clean end: the directory is free
+        self.requeue_if_asked(job_id, run_dir, outcome.signal if outcome.status == "stopped" else None, renewer)
         return {"status": outcome.status, "step": outcome.step, **outcome.metrics}
 
-    def _requeues_left(self, job_id: str) -> bool:
-        if int(os.environ.get("SLURM_RESTART_COUNT", "0")) < self.max_requeues:
-            return True
-        print(f"not requeuing job {job_id}: launcher.max_requeues={self.max_requeues} reached", file=sys.stderr)
-        return False
 
-    def _requeue(self, job_id: str) -> None:
-        done = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-        if os.environ.get("RANK") == "0":
-            # The checkpoint is committed (saving was collective); now SLURM may stop every task and requeue.
-            requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
-            if requeue.returncode == 0:
-                print(f"requeued job {job_id} (requeue {done + 1} of {self.max_requeues}); it resumes from the checkpoint",
-                      file=sys.stderr, flush=True)
-            else:  # e.g. SLURM's own preemption requeued it first (PreemptMode=REQUEUE)
-                print(f"scontrol requeue {job_id}: {requeue.stderr.strip()}", file=sys.stderr, flush=True)
-        # Wait to be stopped by SLURM: returning now would let submitit record this attempt as the job's result.
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            time.sleep(1)
-
-
-class SlurmScript:
+class SlurmScript(Requeues):
     """What every task of the job runs under program=script: the user's own loop as this task's rank (launcher/
     script.py), from the directory it was launched in, with the env:// variables from SLURM's and the launcher's own.
     SLURM signals every process of the step (scancel, the warning before the time limit): the script gets them
     itself, and this task waits for it. Rank 0 holds the job's lease and writes status.json from the script's end.
-    A requeue after the warning is not made for a script: its checkpoint is its own; a new launch resumes it."""
+    A script that ends cleanly (exit 0) after SLURM's warning or a preemption has saved its checkpoint (ddp_loop's
+    contract: docs/your-loop.md): the job requeues itself, and the requeued script (TORCHELASTIC_RESTART_COUNT above
+    0, ddp_loop.restarts()) resumes from it. One that dies of the signal is not requeued: nothing says it saved."""
 
-    def __init__(self, snapshot: str, command: list[str], cwd: str):
+    def __init__(self, snapshot: str, command: list[str], cwd: str, max_requeues: int = 0,
+                 requeue_signal: str = "SIGUSR2"):
         self.snapshot, self.command, self.cwd = snapshot, command, cwd
+        self.max_requeues, self.requeue_signal = max_requeues, requeue_signal
 
     def __call__(self) -> dict:
         import signal
@@ -179,7 +198,9 @@ class SlurmScript:
             write_status(run_dir, status, error=first_error(errors) or f"rank {os.environ['RANK']}: exit code {code}")
         elif first and read_status(run_dir).get("status") != "failed":  # SLURM's stop after a rank failed is no stop
             write_status(run_dir, status)
-        if renewer:
+        if status == "stopped" and code == 0:  # it saved: requeued if the stop asks for it (the lease kept then)
+            self.requeue_if_asked(job_id, run_dir, stops[0], renewer)
+        elif renewer:
             renewer.stop(release_lease=True)
         if status == "failed":
             raise RuntimeError(f"rank {os.environ['RANK']}: {' '.join(self.command[-3:])} exited with code {code} "

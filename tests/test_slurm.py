@@ -201,6 +201,8 @@ def start_requeued_now(job_id: str) -> None:
     ("Job credential revoked") and the job fails. A requeue sets the job's SubmitTime."""
     import datetime
 
+    # First the old attempt's end (COMPLETING: seconds); its SubmitTime is the requeue's only once it waits
+    wait_for(lambda: state(job_id) == "PENDING", timeout=120, what="the requeued job to wait in the queue")
     fields = dict(item.partition("=")[::2] for item in _show(job_id).split())
     requeued = datetime.datetime.fromisoformat(fields["SubmitTime"]).timestamp()
     wait_for(lambda: time.time() >= requeued + 2, timeout=30, what="the second after the requeue to pass")
@@ -398,6 +400,29 @@ def test_an_unchanged_torchrun_script_runs_as_a_two_node_job(cluster, tmp_path):
     assert set(torch.load(here / "mine.pt", weights_only=True)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     logs = subprocess.run([sys.executable, "-m", "launcher.jobs", "logs", str(run_dir)], capture_output=True, text=True)
     assert "epoch 1 loss" in logs.stdout and "world 2 local_rank 0" in logs.stdout
+
+
+def test_a_script_using_the_api_saves_at_the_warning_signal_and_the_requeued_job_resumes_it(cluster, tmp_path):
+    """program=script with ddp_loop: SLURM's warning before the time limit reaches every task; the script agrees the
+    stop, saves its checkpoint and exits 0; the job requeues itself, and the requeued script resumes from it."""
+    shutil.copy(Path(__file__).parent / "foreign" / "own_loop" / "api_loop.py", tmp_path / "api_loop.py")
+    run_dir = tmp_path / "runs" / "api"
+    proc = subprocess.run([sys.executable, "-m", "launcher", "launcher=slurm", "trainer.nodes=2", "trainer.procs_per_node=1",
+                           "program=script", "program.script=api_loop.py", "program.args=[--steps,300,--step-delay-ms,30]",
+                           f"hydra.run.dir={run_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job_id = submitted_job_id(proc.stdout)
+    wait_for(lambda: any(step >= 5 for step in logged_steps(run_dir)), 180, "the script's steps")
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # what SLURM sends before a time limit
+    wait_for(lambda: "Restarts=1" in _show(job_id), timeout=120, what="the job to requeue itself")
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
+    start_requeued_now(job_id)
+    wait_until_ended([job_id], run_dir)
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 300
+    assert "requeued job" in (slurm_folder(run_dir) / f"{job_id}_0_log.err").read_text()
+    assert f"resumed at step {saved}" in (slurm_folder(run_dir) / f"{job_id}_0_log.out").read_text()
+    assert not (run_dir / "lease.json").exists()  # released at the job's clean end
 
 
 def test_a_crashing_script_fails_its_job_with_its_own_traceback(cluster, tmp_path):
