@@ -96,6 +96,98 @@ def report(step: int, **metrics: float) -> None:
             out.write(json.dumps({"kind": "train", "step": step, "time": time.time(), **values}) + "\n")
 
 
+HANG_ENV = "LAUNCHER_HANG_TIMEOUT_S"  # trainer.hang_timeout_s, set by the launcher; 0 or unset: no watch
+HANG_EXIT_CODE = 70  # as the trainer's watchdog: a detected hang, not a crash
+ALIVE = ".alive"  # RUN_DIR/.alive: its modification time is the last sign of life of any rank
+
+
+class _Beating:
+    """sys.stdout / sys.stderr as they were, each write a sign of life (the file's time, at most once a second)."""
+
+    def __init__(self, stream, beat):
+        self._stream, self._beat = stream, beat
+
+    def write(self, text):
+        self._beat()
+        return self._stream.write(text)
+
+    def writelines(self, lines):
+        self._beat()
+        return self._stream.writelines(lines)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class _Watch:
+    """A script's hang report, without the script's cooperation: every rank counts as alive while any rank prints
+    (stdout or stderr, from Python) or reports; when none has for `timeout_s`, every rank writes its threads' stacks
+    into RUN_DIR/hang/<incident>/rank<R>.txt (the incident named by the last sign of life: the same folder for every
+    rank), with summary.txt, says so on stderr and exits with HANG_EXIT_CODE, so that the launcher restarts the ranks
+    (launcher.max_restarts) or fails the run with the reason. A rank stuck in C code holding the GIL, or frozen whole,
+    writes nothing: the others' stacks show where they wait for it."""
+
+    def __init__(self, folder: Path, timeout_s: float):
+        self.alive, self.timeout_s, self.last = folder / ALIVE, timeout_s, 0.0
+        self.tick_s = min(5.0, max(0.2, timeout_s / 10))
+        self.alive.touch()  # this attempt's start counts as a sign of life
+        sys.stdout, sys.stderr = _Beating(sys.stdout, self.beat), _Beating(sys.stderr, self.beat)
+        import threading
+
+        threading.Thread(target=self._run, name="ddp_loop hang watch", daemon=True).start()
+
+    def beat(self) -> None:
+        now = time.time()
+        if now - self.last >= 1.0:
+            self.last = now
+            try:
+                os.utime(self.alive)
+            except OSError:
+                pass
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.tick_s)
+            try:
+                since = self.alive.stat().st_mtime
+            except OSError:
+                continue
+            if time.time() - since > self.timeout_s:
+                self._report(since)
+
+    def _report(self, since: float) -> None:
+        import faulthandler
+
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(since))
+        incident = self.alive.parent / "hang" / f"{stamp}-script-silent"
+        incident.mkdir(parents=True, exist_ok=True)
+        with open(incident / f"rank{rank()}.txt", "w") as out:
+            out.write(f"rank {rank()} (pid {os.getpid()}), no rank printed or reported since "
+                      f"{time.strftime('%H:%M:%S', time.localtime(since))}:\n")
+            out.flush()
+            faulthandler.dump_traceback(file=out, all_threads=True)
+        summary = (f"hang report of a script (program=script): no rank printed or reported for {self.timeout_s:g} s "
+                   f"(trainer.hang_timeout_s); each rank's stacks: rank<R>.txt in this folder (a rank that wrote "
+                   f"none was stuck holding the GIL, frozen or gone)\n")
+        (incident / "summary.txt").write_text(summary)
+        # Every rank notices within a tick of the others: wait for their stacks before exiting (a rank that ends
+        # first breaks the others' collectives, and they would be caught unwinding instead of where they waited).
+        world, deadline = int(os.environ.get("WORLD_SIZE", "1")), time.monotonic() + max(5.0, 3 * self.tick_s)
+        while len(list(incident.glob("rank*.txt"))) < world and time.monotonic() < deadline:
+            time.sleep(0.1)
+        sys.__stderr__.write(f"[rank {rank()}] hang: no rank printed or reported for {self.timeout_s:g} s "
+                             f"(trainer.hang_timeout_s); the stacks of every rank are in {incident}\n")
+        sys.__stderr__.flush()
+        os._exit(HANG_EXIT_CODE)
+
+
+def _watch_for_hangs() -> None:
+    """Under the launcher with trainer.hang_timeout_s: the hang watch (_Watch)."""
+    folder, timeout_s = run_dir(), float(os.environ.get(HANG_ENV) or 0)
+    if folder is not None and timeout_s > 0:
+        _Watch(folder, timeout_s)
+
+
 def _cuda() -> bool:
     torch = sys.modules.get("torch")
     return bool(torch is not None and torch.cuda.is_available())
@@ -105,10 +197,13 @@ def _run(argv: list[str]) -> None:
     """`python -P -m ddp_loop SCRIPT ARGS` (or `-m MODULE ARGS`): how the launcher starts each rank of a script. The
     script runs as `python SCRIPT ARGS` would run it (its folder first on the path; a module: the launch directory),
     under torch elastic's @record, so that a failing rank's own traceback reaches the launcher's report and
-    status.json, not torch's placeholder. Nothing else changes: its signals stay its own."""
+    status.json, not torch's placeholder, and under the hang watch (_Watch). Nothing else changes: its signals
+    stay its own."""
     import runpy
 
     from torch.distributed.elastic.multiprocessing.errors import record
+
+    _watch_for_hangs()
 
     if argv[:1] == ["-m"]:
         module, sys.argv = argv[1], [argv[1], *argv[2:]]

@@ -2,7 +2,7 @@
 
 Each rank runs `python -u SCRIPT ARGS` (or `python -u -m MODULE ARGS`) from the launch directory, as torchrun would
 run it (through ddp_loop's runner, which records a failure's traceback for the report), with torchrun's env:// variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-TORCHELASTIC_RESTART_COUNT) and these of the launcher's (read by train/script_api.py, or by the script itself):
+TORCHELASTIC_RESTART_COUNT) and these of the launcher's (read by ddp_loop.py, or by the script itself):
 
 - LAUNCHER_RUN_DIR: the run directory (the launcher holds it: one writer); checkpoints go in RUN_DIR/checkpoints;
 - LAUNCHER_DEVICE: the ranks' device: cuda (meaning cuda:LOCAL_RANK) with trainer.gpus, else cpu.
@@ -10,7 +10,8 @@ TORCHELASTIC_RESTART_COUNT) and these of the launcher's (read by train/script_ap
 What the launcher gives it without its cooperation: the run directory's lease, the resolved config in it,
 status.json (running, then finished, failed with the first failing rank's error, or stopped), restarts
 (launcher.max_restarts), the failing rank's own traceback, and a stop signal passed on as SIGTERM/SIGINT to every
-rank (the script's own handler, or train/script_api.py's, decides what a stop does).
+rank (the script's own handler, or ddp_loop's, decides what a stop does), and a hang report with every
+rank's stacks when no rank printed or reported for trainer.hang_timeout_s (ddp_loop's runner watches).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from train.parallel.layout import world_size
 PROGRAMS = ("trainer", "script")  # program.name: conf/program/
 RUN_DIR_ENV = "LAUNCHER_RUN_DIR"
 DEVICE_ENV = "LAUNCHER_DEVICE"
+HANG_ENV = "LAUNCHER_HANG_TIMEOUT_S"  # ddp_loop's hang watch (the same name there: it imports nothing of ours)
 
 
 def user_command(cfg: Config) -> list[str]:
@@ -55,7 +57,8 @@ def script_summary(cfg: Config, run_dir: Path) -> str:
 
 def script_env(cfg: Config, run_dir: Path) -> dict[str, str]:
     """The launcher's variables for every rank of a script (LAUNCHER_DEVICE: cuda means cuda:LOCAL_RANK)."""
-    return {RUN_DIR_ENV: str(run_dir), DEVICE_ENV: "cuda" if cfg.trainer.gpus else "cpu"}
+    return {RUN_DIR_ENV: str(run_dir), DEVICE_ENV: "cuda" if cfg.trainer.gpus else "cpu",
+            HANG_ENV: str(cfg.trainer.hang_timeout_s)}
 
 
 def check_script(cfg: Config, problems: list[str]) -> None:

@@ -67,6 +67,44 @@ def test_a_script_using_the_api_stops_on_sigterm_with_its_checkpoint_and_resumes
     assert f"resumed at step {saved['step']}" in resumed.stdout
 
 
+HANGS = """
+import time
+
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+print(f"rank {dist.get_rank()} started", flush=True)
+
+
+def stuck_here():
+    time.sleep(600)  # the hang: rank 1 never reaches the barrier
+
+
+if dist.get_rank() == 1:
+    stuck_here()
+dist.barrier()
+"""
+
+
+def test_a_script_whose_ranks_all_go_silent_is_reported_with_every_ranks_stacks(tmp_path):
+    """No rank printed or reported for trainer.hang_timeout_s: every rank writes its stacks into RUN_DIR/hang/ (rank 1
+    where it is stuck, rank 0 in the barrier that waits for it) and exits 70; the run fails with the reason."""
+    here = project(tmp_path)
+    (here / "hangs.py").write_text(HANGS)
+    run_dir = here / "runs" / "hangs"
+    proc = run_cli("launcher", "program=script", "program.script=hangs.py", "trainer.procs_per_node=2",
+                   "trainer.hang_timeout_s=4", f"hydra.run.dir={run_dir}", cwd=here, timeout=120)
+    assert proc.returncode != 0
+    assert "hang: no rank printed or reported for 4 s (trainer.hang_timeout_s)" in proc.stderr, proc.stderr[-3000:]
+    [incident] = (run_dir / "hang").iterdir()
+    assert "no rank printed or reported for 4 s" in (incident / "summary.txt").read_text()
+    stacks = {r: (incident / f"rank{r}.txt").read_text() for r in (0, 1)}
+    assert "stuck_here" in stacks[1] and "hangs.py" in stacks[1]
+    assert "barrier" in stacks[0] and "stuck_here" not in stacks[0]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and "exit code 70" in status["error"], status
+
+
 def test_a_missing_script_or_both_a_script_and_a_module_are_refused_before_start(tmp_path):
     here = project(tmp_path)
     missing = run_cli("launcher", "program=script", "program.script=nope.py", f"hydra.run.dir={here / 'r1'}", cwd=here)
