@@ -149,18 +149,22 @@ class ReplicaGroups:
         return self.manager.participating_rank() == 0
 
     def identical(self, model: torch.nn.Module) -> bool:
-        """Whether the groups taking part hold the same weights (each parameter's sum, averaged over the groups:
-        equal to this group's own exactly when every group's is the same).
+        """Whether the groups taking part hold the same weights: each parameter's sum, its largest and smallest over
+        the groups (one all-reduce of the sums and their negatives, MAX), equal to this group's own. (An average
+        over the groups is not exact: three equal sums averaged can come back an ulp apart, a false "DIFFERENT".)
 
         A group that comes back as the others end heals in their last quorum (this check's) straight to the end:
         it checks in that quorum too, not in a new one that the others, waiting in this all-reduce, never join."""
+        from torch.distributed import ReduceOp
+
         with torch.no_grad():
             sums = torch.stack([local(p.detach()).double().sum() for p in model.parameters()])
-            mean = sums.clone()
+            bounds = torch.cat([sums, -sums])
             if not self._healed:
                 self.manager.start_quorum()
-            self.manager.allreduce(mean).wait()
-        return bool(torch.equal(mean, sums))
+            self.manager.allreduce(bounds, reduce_op=ReduceOp.MAX).wait()
+        largest, smallest = bounds[:len(sums)], -bounds[len(sums):]
+        return bool(torch.equal(largest, sums) and torch.equal(smallest, sums))
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
