@@ -77,6 +77,8 @@ class NodeAgent:
             self.process.send_signal(signal.SIGTERM)
 
 
+PEERS_REPORT_S = 20.0  # after a node's agent failed: how long the others' reports are awaited before every node stops
+
 class Driver:
     def __init__(self, snapshot: Path):
         self.snapshot = snapshot
@@ -131,6 +133,10 @@ class Driver:
                 except ray.exceptions.RayActorError as error:
                     return 1, f"node {node} was lost ({type(error).__name__})"
                 if code != 0:
+                    # The other nodes' ranks fail within moments (their peer is gone), and their agents' reports may
+                    # hold the rank that failed by itself (status.json keeps that one first): awaited, a little
+                    if pending:
+                        ray.wait(pending, num_returns=len(pending), timeout=PEERS_REPORT_S)
                     return code, f"node {node}'s agent exited with {code}"
             return 0, "every node finished"
         finally:
