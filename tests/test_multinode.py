@@ -111,3 +111,29 @@ def test_a_ctrl_c_while_the_other_nodes_are_awaited_ends_the_launch_at_once(tmp_
     assert proc.returncode == 128 + signal.SIGINT
     assert "stopped by SIGINT before the workers started" in err.read_text() and "Traceback" not in err.read_text()
     assert json.loads((tmp_path / "run" / "status.json").read_text())["status"] == "stopped"
+
+
+def test_an_unchanged_torchrun_script_runs_on_two_nodes_by_rendezvous(tmp_path):
+    """program=script on two nodes without a scheduler: the same command on each, one rendezvous, each node's rank
+    one of a world of 2 (the script's own print says so), its output written by rank 0 once."""
+    from pathlib import Path
+
+    shutil.copy(Path(__file__).parent / "foreign" / "own_loop" / "my_loop.py", tmp_path / "my_loop.py")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n127.0.0.2 n1\n127.0.0.3 n2\n")
+    run_dir, port = tmp_path / "run", free_port()
+    overrides = [*FAST, "program=script", "program.script=my_loop.py", "program.args=[--epochs,1,--out,mine.pt]",
+                 "trainer.nodes=2", "trainer.procs_per_node=1", f"launcher.rdzv_endpoint=n1:{port}",
+                 "launcher.rdzv_timeout_s=120", f"hydra.run.dir={run_dir}"]
+    logs = {name: tmp_path / f"{name}.log" for name in ("n1", "n2")}
+    with nodes([]) as procs:
+        for name in ("n1", "n2"):
+            with open(logs[name], "w") as log:
+                procs.append(node(name, hosts, overrides, tmp_path, log))
+        codes = [p.wait(timeout=240) for p in procs]
+    n1, n2 = logs["n1"].read_text(), logs["n2"].read_text()
+    print(f"--- n1\n{n1}\n--- n2\n{n2}")
+    assert codes == [0, 0]
+    assert "epoch 0 loss" in n1 + n2 and "world 2 local_rank 0" in n1 + n2
+    assert (tmp_path / "mine.pt").exists()
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
