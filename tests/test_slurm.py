@@ -381,20 +381,25 @@ def test_a_task_whose_interpreter_would_abort_at_exit_still_ends_with_its_result
     assert (tmp_path / "7_0_result.pkl").exists()
 
 
+def submit_script(here: Path, script: str, args: str, name: str) -> tuple[str, Path]:
+    """program=script as a two-node SLURM job from `here` (tests/foreign/own_loop's `script` copied there): its job id
+    and run directory."""
+    shutil.copy(Path(__file__).parent / "foreign" / "own_loop" / script, here / script)
+    run_dir = here / "runs" / name
+    proc = subprocess.run([sys.executable, "-m", "launcher", "launcher=slurm", "trainer.nodes=2", "trainer.procs_per_node=1",
+                           "program=script", f"program.script={script}", f"program.args={args}",
+                           f"hydra.run.dir={run_dir}"], cwd=here, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return submitted_job_id(proc.stdout), run_dir
+
+
 def test_an_unchanged_torchrun_script_runs_as_a_two_node_job(cluster, tmp_path):
     """program=script under SLURM: the user's own loop, each task one rank of a world across both nodes, with its
     own arguments, from the directory it was launched in (beside the project's own train.py and models.py)."""
     here = tmp_path
-    shutil.copy(Path(__file__).parent / "foreign" / "own_loop" / "my_loop.py", here / "my_loop.py")
     for name in ("train.py", "models.py"):
         (here / name).write_text("raise SystemExit('the project\\'s own module was run')\n")
-    run_dir = here / "runs" / "mine"
-    proc = subprocess.run([sys.executable, "-m", "launcher", "launcher=slurm", "trainer.nodes=2", "trainer.procs_per_node=1",
-                           "program=script", "program.script=my_loop.py", "program.args=[--epochs,2,--out,mine.pt]",
-                           f"hydra.run.dir={run_dir}"], cwd=here, capture_output=True, text=True, timeout=120,
-                          )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    job_id = submitted_job_id(proc.stdout)
+    job_id, run_dir = submit_script(here, "my_loop.py", "[--epochs,2,--out,mine.pt]", "mine")
     wait_until_ended([job_id], run_dir)
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
     assert set(torch.load(here / "mine.pt", weights_only=True)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
@@ -405,13 +410,7 @@ def test_an_unchanged_torchrun_script_runs_as_a_two_node_job(cluster, tmp_path):
 def test_a_script_using_the_api_saves_at_the_warning_signal_and_the_requeued_job_resumes_it(cluster, tmp_path):
     """program=script with ddp_loop: SLURM's warning before the time limit reaches every task; the script agrees the
     stop, saves its checkpoint and exits 0; the job requeues itself, and the requeued script resumes from it."""
-    shutil.copy(Path(__file__).parent / "foreign" / "own_loop" / "api_loop.py", tmp_path / "api_loop.py")
-    run_dir = tmp_path / "runs" / "api"
-    proc = subprocess.run([sys.executable, "-m", "launcher", "launcher=slurm", "trainer.nodes=2", "trainer.procs_per_node=1",
-                           "program=script", "program.script=api_loop.py", "program.args=[--steps,300,--step-delay-ms,30]",
-                           f"hydra.run.dir={run_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    job_id = submitted_job_id(proc.stdout)
+    job_id, run_dir = submit_script(tmp_path, "api_loop.py", "[--steps,300,--step-delay-ms,30]", "api")
     wait_for(lambda: any(step >= 5 for step in logged_steps(run_dir)), 180, "the script's steps")
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # what SLURM sends before a time limit
     wait_for(lambda: "Restarts=1" in _show(job_id), timeout=120, what="the job to requeue itself")
@@ -426,13 +425,7 @@ def test_a_script_using_the_api_saves_at_the_warning_signal_and_the_requeued_job
 
 
 def test_a_crashing_script_fails_its_job_with_its_own_traceback(cluster, tmp_path):
-    shutil.copy(Path(__file__).parent / "foreign" / "own_loop" / "my_loop.py", tmp_path / "my_loop.py")
-    run_dir = tmp_path / "runs" / "crash"
-    proc = subprocess.run([sys.executable, "-m", "launcher", "launcher=slurm", "trainer.nodes=2", "trainer.procs_per_node=1",
-                           "program=script", "program.script=my_loop.py", "program.args=[--crash-at-epoch,1]",
-                           f"hydra.run.dir={run_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    job_id = submitted_job_id(proc.stdout)
+    job_id, run_dir = submit_script(tmp_path, "my_loop.py", "[--crash-at-epoch,1]", "crash")
     wait_until_ended([job_id], run_dir, want="FAILED")
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed"
