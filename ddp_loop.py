@@ -98,7 +98,7 @@ def report(step: int, **metrics: float) -> None:
 
 HANG_ENV = "LAUNCHER_HANG_TIMEOUT_S"  # trainer.hang_timeout_s, set by the launcher; 0 or unset: no watch
 HANG_EXIT_CODE = 70  # as the trainer's watchdog: a detected hang, not a crash
-ALIVE = ".alive"  # RUN_DIR/.alive: its modification time is the last sign of life of any rank
+ALIVE = ".alive"  # RUN_DIR/.alive: the last sign of life of any rank (train/observe/status.py ALIVE_FILE)
 
 
 class _Beating:

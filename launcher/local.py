@@ -40,7 +40,7 @@ from train.dist import available_cores
 from train.fault_tolerance import REPLICA_GROUP_ENV, START_STORE_ENV
 from train.finite import NONFINITE_EXIT_CODE
 from train.host import PARENT_ENV
-from train.observe.status import read_status, write_status
+from train.observe.status import ALIVE_FILE, read_status, write_status
 from train.parallel.layout import procs_per_node
 
 
@@ -193,12 +193,13 @@ def note_stop(run_dir: Path, started: float, script: bool) -> None:
 
 
 def others_finish(run_dir: Path, quiet_s: float) -> None:
-    """Wait while the other nodes' replica groups still train (metrics.jsonl grew within `quiet_s`), until the run
-    is finished or stopped (status.json; "failed" may be this node's own groups' word)."""
-    metrics = run_dir / "metrics.jsonl"
+    """Wait while the other nodes' replica groups still train (a group's rank 0 marked RUN_DIR/.alive within
+    `quiet_s`: every group's, not metrics.jsonl, which group 0 alone writes), until the run is finished or stopped
+    (status.json; "failed" may be this node's own groups' word)."""
+    alive = run_dir / ALIVE_FILE
     while read_status(run_dir).get("status") not in ("finished", "stopped"):
         with contextlib.suppress(OSError):
-            if time.time() - metrics.stat().st_mtime > quiet_s:
+            if time.time() - alive.stat().st_mtime > quiet_s:
                 return
         time.sleep(1)
 

@@ -134,6 +134,35 @@ def test_two_nodes_a_group_each_the_killed_one_heals_from_the_first_nodes(tmp_pa
     assert "replica group 1: weights identical to the other groups' at step 64 (2 taking part)" in n2
 
 
+def test_two_nodes_when_the_first_nodes_group_is_gone_the_other_finishes_and_the_first_node_waits(tmp_path):
+    """Group 0, on n1 (the node of the Lighthouse), is killed for good: n1 waits for n2's group while it trains, by
+    every group's sign of life (metrics.jsonl, group 0's alone, stopped growing: n1 gave up after
+    trainer.hang_timeout_s and its Lighthouse went with it); group 1 writes the checkpoints and the end."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n127.0.0.2 n1\n127.0.0.3 n2\n")
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    run_dir = tmp_path / "run"
+    overrides = [*GROUPS, "trainer.nodes=2", "trainer.procs_per_node=1", "trainer.epochs=4", "trainer.max_steps=48",
+                 "trainer.log_every=2", "trainer.hang_timeout_s=6", "launcher.max_restarts=0",
+                 f"launcher.rdzv_endpoint=n1:{port}", "launcher.rdzv_timeout_s=120", f"hydra.run.dir={run_dir}"]
+    logs = {name: tmp_path / f"{name}.log" for name in ("n1", "n2")}
+    env = {**os.environ, **killed(group=0, step=4, delay_ms=300)}  # ~13 s of group 1 alone after the kill
+    with nodes([]) as procs:
+        for name in ("n1", "n2"):
+            with open(logs[name], "w") as log:
+                procs.append(node(name, hosts, overrides, tmp_path, log, env=env))
+        codes = [p.wait(timeout=240) for p in procs]
+    n1, n2 = logs["n1"].read_text(), logs["n2"].read_text()
+    print(f"--- n1\n{n1}\n--- n2\n{n2}")
+    assert codes == [0, 0]
+    assert "replica group(s) [0] failed for good; waiting for the other nodes' groups" in n1
+    assert "replica group 1: weights identical to the other groups' at step 48 (1 taking part)" in n2
+    assert final_checkpoint(run_dir)["step"] == 48
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+
+
 def test_a_group_that_never_returns_leaves_the_other_to_finish(tmp_path, launch):
     run_dir = tmp_path / "run"
     proc = launch(*GROUPS, "launcher.max_restarts=0", f"hydra.run.dir={run_dir}", env=killed(group=1, step=5))

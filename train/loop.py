@@ -28,7 +28,7 @@ from train.observe.metrics import build_metrics
 from train.observe.plan import describe_plan, tracked_run
 from train.observe.profile import build_profiler
 from train.observe.startup import report_startup
-from train.observe.status import write_status
+from train.observe.status import mark_alive, write_status
 from train.observe.throughput import peak_tflops
 from train.step import ForwardClock, Meter, SavedActivations, train_step
 from train.stopping import StopRequest
@@ -162,6 +162,8 @@ def fit(run: Run) -> Outcome:
             console.print(profiled)
             metrics.note("profile", profiled, progress.step)
         if progress.step % cfg.trainer.log_every == 0:
+            if env.rank == 0 and isinstance(run.replicas, ReplicaGroups):
+                mark_alive(run.run_dir)  # every group's, not only the one that writes metrics.jsonl
             run.finite.check()
             values = {
                 **meter.reduce(plan.global_batch, plan.replicas, run.strategy.layout.dp, loss_copies=run.strategy.layout.tp),
