@@ -61,7 +61,7 @@ def test_a_script_using_the_api_stops_on_sigterm_with_its_checkpoint_and_resumes
     assert proc.returncode == 143, err[-3000:]
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert 5 <= saved["step"] < 400 and f"saved step {saved['step']}" in out
-    assert json.loads((run_dir / "status.json").read_text())["status"] == "stopped"
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "stopped", (run_dir / "status.json").read_text() + err[-3000:]
     resumed = run_cli("launcher", *run[:2], "program.args=[--steps,40]", *run[3:], f"hydra.run.dir={run_dir}", cwd=here)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed at step {saved['step']}" in resumed.stdout
