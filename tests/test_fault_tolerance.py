@@ -103,28 +103,34 @@ def test_a_group_back_as_the_others_end_heals_in_their_last_quorum_and_checks_it
 
 
 @NEEDS_NAMESPACES
-def test_two_nodes_a_group_each_the_killed_one_heals_from_the_first_nodes(tmp_path):
-    """Two launchers acting as nodes n1 and n2 (tests/test_multinode.py), a replica group on each: n1 hosts the
-    Lighthouse and the groups' store on launcher.rdzv_endpoint; group 1, on n2, is killed, restarts there alone and
-    heals from group 0 over the network, while group 0 never stops."""
+def two_nodes(tmp_path, overrides: list[str], env: dict) -> tuple[list[int], str, str]:
+    """The same launch on nodes n1 and n2 (tests/test_multinode.py: namespaces, a hosts file), n1 the rendezvous
+    host: their exit codes and their logs."""
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 localhost\n127.0.0.2 n1\n127.0.0.3 n2\n")
     with socket.socket() as probe:
         probe.bind(("", 0))
         port = probe.getsockname()[1]
-    run_dir = tmp_path / "run"
-    overrides = [*GROUPS, "trainer.nodes=2", "trainer.procs_per_node=1", "trainer.epochs=4", "trainer.max_steps=64",
-                 "trainer.log_every=2", "launcher.max_restarts=1", f"launcher.rdzv_endpoint=n1:{port}",
-                 "launcher.rdzv_timeout_s=120", f"hydra.run.dir={run_dir}"]
+    overrides = [*overrides, f"launcher.rdzv_endpoint=n1:{port}", "launcher.rdzv_timeout_s=120"]
     logs = {name: tmp_path / f"{name}.log" for name in ("n1", "n2")}
-    env = {**os.environ, **killed(group=1, step=10)}
     with nodes([]) as procs:
         for name in ("n1", "n2"):
             with open(logs[name], "w") as log:
-                procs.append(node(name, hosts, overrides, tmp_path, log, env=env))
+                procs.append(node(name, hosts, overrides, tmp_path, log, env={**os.environ, **env}))
         codes = [p.wait(timeout=240) for p in procs]
     n1, n2 = logs["n1"].read_text(), logs["n2"].read_text()
     print(f"--- n1\n{n1}\n--- n2\n{n2}")
+    return codes, n1, n2
+
+
+def test_two_nodes_a_group_each_the_killed_one_heals_from_the_first_nodes(tmp_path):
+    """Two launchers acting as nodes n1 and n2 (tests/test_multinode.py), a replica group on each: n1 hosts the
+    Lighthouse and the groups' store on launcher.rdzv_endpoint; group 1, on n2, is killed, restarts there alone and
+    heals from group 0 over the network, while group 0 never stops."""
+    run_dir = tmp_path / "run"
+    codes, n1, n2 = two_nodes(tmp_path, [*GROUPS, "trainer.nodes=2", "trainer.procs_per_node=1", "trainer.epochs=4",
+                                         "trainer.max_steps=64", "trainer.log_every=2", "launcher.max_restarts=1",
+                                         f"hydra.run.dir={run_dir}"], killed(group=1, step=10))
     assert codes == [0, 0]
     steps = train_steps(run_dir)  # logged by group 0, on n1
     assert steps == sorted(set(steps)) and steps[-1] == 64
@@ -138,24 +144,11 @@ def test_two_nodes_when_the_first_nodes_group_is_gone_the_other_finishes_and_the
     """Group 0, on n1 (the node of the Lighthouse), is killed for good: n1 waits for n2's group while it trains, by
     every group's sign of life (metrics.jsonl, group 0's alone, stopped growing: n1 gave up after
     trainer.hang_timeout_s and its Lighthouse went with it); group 1 writes the checkpoints and the end."""
-    hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1 localhost\n127.0.0.2 n1\n127.0.0.3 n2\n")
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        port = probe.getsockname()[1]
     run_dir = tmp_path / "run"
-    overrides = [*GROUPS, "trainer.nodes=2", "trainer.procs_per_node=1", "trainer.epochs=4", "trainer.max_steps=48",
-                 "trainer.log_every=2", "trainer.hang_timeout_s=6", "launcher.max_restarts=0",
-                 f"launcher.rdzv_endpoint=n1:{port}", "launcher.rdzv_timeout_s=120", f"hydra.run.dir={run_dir}"]
-    logs = {name: tmp_path / f"{name}.log" for name in ("n1", "n2")}
-    env = {**os.environ, **killed(group=0, step=4, delay_ms=300)}  # ~13 s of group 1 alone after the kill
-    with nodes([]) as procs:
-        for name in ("n1", "n2"):
-            with open(logs[name], "w") as log:
-                procs.append(node(name, hosts, overrides, tmp_path, log, env=env))
-        codes = [p.wait(timeout=240) for p in procs]
-    n1, n2 = logs["n1"].read_text(), logs["n2"].read_text()
-    print(f"--- n1\n{n1}\n--- n2\n{n2}")
+    codes, n1, n2 = two_nodes(tmp_path, [*GROUPS, "trainer.nodes=2", "trainer.procs_per_node=1", "trainer.epochs=4",
+                                         "trainer.max_steps=48", "trainer.log_every=2", "trainer.hang_timeout_s=6",
+                                         "launcher.max_restarts=0", f"hydra.run.dir={run_dir}"],
+                              killed(group=0, step=4, delay_ms=300))  # ~13 s of group 1 alone after the kill
     assert codes == [0, 0]
     assert "replica group(s) [0] failed for good; waiting for the other nodes' groups" in n1
     assert "replica group 1: weights identical to the other groups' at step 48 (1 taking part)" in n2
