@@ -136,7 +136,7 @@ def rank_process(args) -> dict:
     meter = Meter(cpu)
     # The fake group moves no data: FSDP's gathered parameters are whatever the buffers held, and so is the loss.
     # Its finiteness is not judged; the agreement on it before each save (one all-reduce) still runs and is counted.
-    run.finite.add = lambda loss, bad=None: True
+    run.finite.add = lambda own, heard=None: True
 
     def step():
         train_step(run.strategy, run.task, batches, run.optimizer, run.scheduler, run.scaler, run.autocast,

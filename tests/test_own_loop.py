@@ -68,7 +68,7 @@ def test_a_script_using_the_api_stops_on_sigterm_with_its_checkpoint_and_resumes
 
 
 HANGS = """
-import time
+import threading
 
 import torch.distributed as dist
 
@@ -77,7 +77,7 @@ print(f"rank {dist.get_rank()} started", flush=True)
 
 
 def stuck_here():
-    time.sleep(600)  # the hang: rank 1 never reaches the barrier
+    threading.Event().wait()  # the hang: rank 1 never reaches the barrier
 
 
 if dist.get_rank() == 1:

@@ -123,9 +123,9 @@ class ReplicaGroups:
         step, train/stopping.py). Returned: whether any group's rank r said so (a host sync: the all-reduce is
         waited for anyway)."""
         grads = [local(p.grad) for p in parameters if p.grad is not None]
-        dtype = grads[0].dtype if grads else torch.float32
-        verdicts = torch.stack([bad.reshape(()), torch.tensor(stop, device=bad.device)]).to(bad.device, dtype)
-        flat = torch.cat([*(g.reshape(-1) for g in grads), verdicts.to(grads[0].device if grads else bad.device)])
+        like = grads[0] if grads else bad.float()
+        verdicts = torch.stack([bad.reshape(()).to(like), torch.tensor(float(stop)).to(like)])
+        flat = torch.cat([*(g.reshape(-1) for g in grads), verdicts])
         self.manager.allreduce(flat).wait()
         offset = 0
         for g in grads:

@@ -34,11 +34,12 @@ class FiniteWatch:
         self.elsewhere = torch.zeros((), dtype=torch.bool, device=device)  # that step's bad loss was another group's
         self.skipped = 0
 
-    def add(self, loss: torch.Tensor, bad: torch.Tensor | None = None) -> bool:
-        """Note this step's loss; under `skip`, whether the step may be applied (collective, a host sync). `bad`:
-        whether the step's loss was not finite here or in another replica group (train/fault_tolerance.py)."""
+    def add(self, own: torch.Tensor, heard: torch.Tensor | None = None) -> bool:
+        """Note whether this step's loss was not finite here (`own`, a device bool), or with replica groups in any
+        group (`heard`, train/fault_tolerance.py); under `skip`, whether the step may be applied (collective, a host
+        sync)."""
         self.step += 1
-        crossed, bad = bad is not None, ~torch.isfinite(loss) if bad is None else bad
+        bad = own if heard is None else heard
         if self.policy == "skip":
             flag = bad.to(torch.float32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -47,8 +48,8 @@ class FiniteWatch:
                 return False
             return True
         first = (self.first < 0) & bad
-        if crossed:  # with replica groups: whether the first bad loss was another group's, not this one's
-            self.elsewhere = torch.where(first, torch.isfinite(loss), self.elsewhere)
+        if heard is not None:  # with replica groups: whether the first bad loss was another group's, not this one's
+            self.elsewhere = torch.where(first, ~own, self.elsewhere)
         self.first = torch.where(first, float(self.step), self.first)
         return True
 

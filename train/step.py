@@ -259,11 +259,12 @@ def train_step(
             autocast=autocast, scaler=scaler, call=model_call(task),
         )
     replicas = replicas or Alone()
-    bad, stopping = replicas.average_gradients(strategy.model.parameters(), ~torch.isfinite(step_loss),
-                                               stop is not None and stop.received is not None)
+    bad = ~torch.isfinite(step_loss)
+    heard, stopping = replicas.average_gradients(strategy.model.parameters(), bad,
+                                                 stop is not None and stop.received is not None)
     if stop is not None:
         stop.hear(stopping)
-    finite_loss = finite.add(step_loss, bad)
+    finite_loss = finite.add(bad, heard)
     committed = replicas.commit()  # every group asks, whatever its own loss: the answer is the quorum's
     if finite_loss and committed:
         meter.add(step_loss)

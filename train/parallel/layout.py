@@ -94,8 +94,8 @@ def world_size(trainer) -> int:
 
 def fsdp_shards(trainer, layout: Layout) -> bool:
     """Whether trainer.strategy=fsdp applies FSDP: not on a world of one rank, where there is nothing to shard and
-    FSDP's per-block gathers and hooks only cost time (GPT-2 124M on one H200: 106k tokens/s against 277k as a plain
-    model; torchtitan skips FSDP there too), unless trainer.fsdp_cpu_offload asks it to keep the parameters in host
+    FSDP's per-block gathers and hooks only cost time (GPT-2 124M on one H200: 82,765 tokens/s against 255,946 as a
+    plain model, benchmarks/README.md; torchtitan skips FSDP there too), unless trainer.fsdp_cpu_offload asks it to keep the parameters in host
     memory. Unsharded, the model trains as under ddp on one device; checkpoints keep fsdp's format."""
     return layout.world_size > 1 or trainer.fsdp_cpu_offload
 
