@@ -64,7 +64,7 @@ def snapshot(run_dir: Path, data: Path, world: int, args) -> Path:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from launcher.rundir import register_resolvers
+    from launcher.run_dir.directory import register_resolvers
     from launcher.schema import register_configs
 
     model = {**(MODEL_SMALL if args.small else MODEL_7B_SHAPE), "n_embd": args.n_embd}
@@ -97,8 +97,7 @@ def rank_process(args) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import train.run as run_module
-    from train.checkpoint.run_state import save_checkpoint
-    from train.loop import eval_source
+    from train.loop import eval_source, save_checkpoint
     from train.checkpoint.staging import BackgroundWriter
     from train.config import load_config
     from train.dist import DistEnv

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.sweep import point_dirs, summarize_point
+from launcher.tools.sweep import point_dirs, summarize_point
 
 COLUMNS = ("world_size", "global_batch", "samples_per_s", "sec_per_epoch", "speedup", "efficiency", "final_acc",
            "best_acc", "status", "point")

@@ -10,9 +10,9 @@ import sys  # noqa: E402
 from hydra.errors import HydraException  # noqa: E402
 
 from launcher import RANK_SYS_PATH  # noqa: E402
+from launcher.checks.overrides import describe, explain  # noqa: E402
 from launcher.main import main  # noqa: E402
-from launcher.overrides import describe, explain  # noqa: E402
-from launcher.rundir import register_resolvers  # noqa: E402
+from launcher.run_dir.directory import register_resolvers  # noqa: E402
 from launcher.schema import register_configs  # noqa: E402
 from train import zygote  # noqa: E402
 

@@ -16,19 +16,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from launcher.backend import BACKENDS, Backend, get_backend
-from launcher.forecast import dry_run_forecast
-from launcher.lease import RunDirBusy
-from launcher.rundir import remove_if_made
+from launcher.backends.base import BACKENDS, Backend, get_backend
+from launcher.backends.script import script_command, script_summary
+from launcher.checks.forecast import dry_run_forecast
+from launcher.checks.validate import ConfigError, typed_config, validate
+from launcher.run_dir.directory import remove_if_made
+from launcher.run_dir.lease import RunDirBusy
 from launcher.schema import CONF_DIR
-from launcher.script import script_command, script_summary
-from launcher.summary import inherited_values, summary
-from launcher.validate import ConfigError, typed_config, validate
+from launcher.tools.summary import inherited_values, summary
 from train.config import CONFIG_FILE, flatten
 from train.files import replace_text
 from train.observe.status import read_status, write_status
-
-
 
 # The exit code of a launch refused before any process started. It changes nothing in an earlier run's directory (its
 # status.json stays what its run left) and leaves nothing where it made a new one, but for a sweep's point: its
@@ -78,7 +76,7 @@ def write_hydra_record(run_dir: Path) -> None:
 
 def users_experiment_inherits(cfg: DictConfig) -> list[str]:
     """What the user's own experiment (+experiment=X found in their --config-dir, not ours) takes from the default
-    job without saying so (launcher.summary.inherited_values)."""
+    job without saying so (launcher.tools.summary.inherited_values)."""
     hydra_cfg = HydraConfig.get()
     name = hydra_cfg.runtime.choices.get("experiment")
     found = [Path(s.path) / "experiment" / f"{name}.yaml" for s in hydra_cfg.runtime.config_sources

@@ -151,7 +151,7 @@ def compose(*overrides: str):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from launcher.rundir import register_resolvers
+    from launcher.run_dir.directory import register_resolvers
     from launcher.schema import register_configs
 
     register_configs()
@@ -161,7 +161,7 @@ def compose(*overrides: str):
 
 
 def typed(*overrides: str):
-    from launcher.validate import typed_config
+    from launcher.checks.validate import typed_config
 
     return typed_config(compose(*overrides))
 

@@ -11,7 +11,7 @@ from omegaconf.errors import ValidationError
 
 from conftest import CONF_DIR, run_cli, typed
 from launcher.schema import Config
-from launcher.validate import ConfigError, validate
+from launcher.checks.validate import ConfigError, validate
 from train.config import TrainConfig, load_config
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -414,7 +414,7 @@ def test_a_dry_run_for_a_cluster_plans_without_the_cluster(tmp_path, backend):
 
 
 def test_rays_error_text_is_cut_at_a_sentence_not_mid_word():
-    from launcher.ray_backend import first_sentence
+    from launcher.backends.ray import first_sentence
 
     text = ("Failed to make request to http://127.0.0.9:8265/api/v0/nodes. Failed to connect to API server. Make sure "
             "dependencies are installed with `pip install ray[default]`.")

@@ -8,8 +8,8 @@ import shutil
 from unittest import mock
 
 from conftest import REPO, run_cli, typed
-from launcher.doctor import check_run_dir, check_slurm_layout
-from launcher.network import check_network, interfaces
+from launcher.tools.doctor import check_run_dir, check_slurm_layout
+from launcher.backends.network import check_network, interfaces
 
 
 def test_a_host_name_on_loopback_breaks_multi_node_runs_and_the_fix_names_an_interface(monkeypatch):

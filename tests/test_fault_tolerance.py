@@ -218,9 +218,9 @@ def test_what_replica_groups_cannot_do_is_refused_before_start(tmp_path, launch,
 
 
 def test_a_replica_groups_gpus_are_taken_from_those_its_node_was_given():
-    """launcher/replicas.py overwrote CUDA_VISIBLE_DEVICES with 0..n-1: a Ray actor or a SLURM task given GPUs 4-7
+    """launcher/backends/replicas.py overwrote CUDA_VISIBLE_DEVICES with 0..n-1: a Ray actor or a SLURM task given GPUs 4-7
     put its groups on GPUs 0-3, another job's."""
-    from launcher.replicas import group_devices
+    from launcher.backends.replicas import group_devices
 
     assert group_devices(None, 1, 2) == "2,3"  # nothing narrowed: the node's own numbering
     assert group_devices("4,5,6,7", 0, 2) == "4,5" and group_devices("4,5,6,7", 1, 2) == "6,7"

@@ -131,7 +131,7 @@ def test_a_stop_while_the_group_restarts_does_not_report_the_failure_that_restar
     from torch.distributed.elastic.multiprocessing.api import RunProcsResult
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from launcher.agent import Agent
+    from launcher.backends.agent import Agent
 
     failed = RunProcsResult(failures={1: ProcessFailure(local_rank=1, pid=7, exitcode=1, error_file="/nonexistent")})
     agent = object.__new__(Agent)  # only what a stop reads
@@ -217,7 +217,7 @@ def test_status_keeps_the_rank_that_failed_by_itself_whichever_nodes_agent_write
     ray-fsdp-fail)."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from launcher.local import note_failure
+    from launcher.backends.local import note_failure
     from train.observe.status import read_status
 
     def failure(rank: int, text: str, at: int) -> dict:
@@ -406,7 +406,7 @@ def test_the_rendezvous_event_namer_names_the_method_torchs_does_without_reading
     ~0.4 s of every launch. Ours reads the frame's code name: the same name."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    from launcher.agent import caller_name, extensions_supported
+    from launcher.backends.agent import caller_name, extensions_supported
 
     assert extensions_supported()  # on the tested torch the replacement applies
     torchs = dynamic_rendezvous.get_method_name

@@ -78,8 +78,8 @@ def test_two_nodes_share_one_run_directory_and_the_first_says_what_it_waits_for(
 
 def test_a_second_launch_of_the_same_node_is_refused(tmp_path):
     """The shared lock admits one launcher per node: the same node twice is a mistake, refused at once."""
-    from launcher.lease import RunDirBusy
-    from launcher.local import hold
+    from launcher.run_dir.lease import RunDirBusy
+    from launcher.backends.local import hold
 
     with hold(tmp_path, nodes=2):
         with pytest.raises(RunDirBusy, match=f"on {socket.gethostname()}"):

@@ -22,7 +22,7 @@ SMALL = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.pro
 
 
 def write_lease(run_dir: Path, **fields) -> None:
-    from launcher.lease import Lease, write_lease
+    from launcher.run_dir.lease import Lease, write_lease
 
     run_dir.mkdir(parents=True, exist_ok=True)
     write_lease(run_dir, Lease(**fields))
@@ -205,7 +205,7 @@ def test_values_that_would_break_the_batch_script_and_max_restarts_are_refused_u
     from omegaconf import OmegaConf
 
     from launcher.schema import Config
-    from launcher.slurm import Slurm
+    from launcher.backends.slurm import Slurm
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), {
         "name": "run\n#SBATCH --wrap=rm", "launcher": {"name": "slurm", "max_restarts": 2, "qos": "high prio",
@@ -226,7 +226,7 @@ def test_a_file_system_without_flock_falls_back_to_the_lease_with_a_warning(tmp_
     import fcntl
     from unittest import mock
 
-    from launcher.lease import LOCK_FILE, flock
+    from launcher.run_dir.lease import LOCK_FILE, flock
 
     def no_locks(*args):
         raise OSError(errno.ENOSYS, "Function not implemented")
@@ -235,7 +235,7 @@ def test_a_file_system_without_flock_falls_back_to_the_lease_with_a_warning(tmp_
         with flock(tmp_path, fcntl.LOCK_EX, "hydra.run.dir=x"):
             entered = True
     assert entered and "this file system has no flock (Function not implemented)" in capsys.readouterr().err
-    from launcher.lease import RunDirBusy
+    from launcher.run_dir.lease import RunDirBusy
 
     with flock(tmp_path, fcntl.LOCK_EX, "hydra.run.dir=x"):  # with locks: held, and a second holder is refused
         with pytest.raises(RunDirBusy, match="is in use by another launcher"):
@@ -250,7 +250,7 @@ def test_a_holder_presumed_dead_never_renews_over_the_new_holder_and_stops(tmp_p
     the new holder's lease and stops the old holder instead of writing."""
     import threading
 
-    from launcher.lease import Lease, Renewer, lease_lock, read_lease, write_lease
+    from launcher.run_dir.lease import Lease, Renewer, lease_lock, read_lease, write_lease
 
     old = Lease(backend="local", holder="launcher pid 1 on a", key="old")
     lost = []
@@ -271,7 +271,7 @@ def test_a_holder_presumed_dead_never_renews_over_the_new_holder_and_stops(tmp_p
 def test_whether_a_sigterm_means_preemption_is_asked_of_slurm_once_per_job(tmp_path, monkeypatch):
     """Every task ran `scontrol show job` (no timeout): 512 RPCs at once at the end of a preempted job. Rank 0 asks
     and leaves the answer; the other tasks read it."""
-    import launcher.slurm_job as slurm
+    import launcher.backends.slurm_job as slurm
 
     asked = []
     monkeypatch.setattr(slurm, "being_preempted", lambda job_id: asked.append(job_id) or True)

@@ -58,7 +58,7 @@ def jobs(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def job_state(job_id: str) -> str:
-    from launcher.ray_backend import job_status
+    from launcher.backends.ray import job_status
 
     return job_status(job_id, ADDRESS)
 
@@ -194,7 +194,7 @@ def test_an_unchanged_torchrun_script_runs_as_a_two_node_ray_job(cluster, tmp_pa
 def test_the_logs_of_a_ray_run_whose_cluster_is_down_say_so_and_where_else_to_look(tmp_path):
     """No cluster needed: a run directory that recorded a job at an address where nothing answers (a cluster torn
     down after the run). Before: Ray's ConnectionError traceback."""
-    from launcher.ray_backend import record_job
+    from launcher.backends.ray import record_job
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launcher.rundir import MAX_TAG, run_tag
+from launcher.run_dir.directory import MAX_TAG, run_tag
 
 
 def test_no_overrides_is_the_default_run():

@@ -17,9 +17,9 @@ import torch
 
 from conftest import FAST, FAULTS_DIR, cluster_started, final_checkpoint, logged_steps, read_metrics, shared_lock
 from conftest import wait_for as _wait_for
-from launcher.slurm import job_state
-from launcher.slurm import recorded_jobs
-from launcher.slurm_job import clear_unfinished_result, export_env_from_slurm, slurm_folder
+from launcher.backends.slurm import job_state
+from launcher.backends.slurm import recorded_jobs
+from launcher.backends.slurm_job import clear_unfinished_result, export_env_from_slurm, slurm_folder
 
 DEFAULT_CONF = "/tmp/slurm-test-cluster/etc/slurm.conf"
 
@@ -295,7 +295,7 @@ def test_slurm_variables_become_the_env_contract(slurm_task_env):
 
 
 def test_the_master_port_of_a_job_is_never_one_outgoing_connections_take():
-    from launcher.slurm_job import job_master_port
+    from launcher.backends.slurm_job import job_master_port
 
     ports = [job_master_port(str(job)) for job in range(1, 2001)]
     low, _ = (int(n) for n in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
@@ -313,7 +313,7 @@ def test_the_sbatch_script_asks_for_the_world_the_config_describes():
     from submitit.slurm.slurm import _make_sbatch_string
 
     from conftest import typed
-    from launcher.slurm import executor_parameters
+    from launcher.backends.slurm import executor_parameters
 
     cfg = typed("launcher=slurm", "trainer.nodes=2", "trainer.gpus=4", "launcher.partition=gpu", "launcher.signal=USR1",
                 "launcher.signal_delay_s=300", "+launcher.sbatch.exclusive=''")
@@ -335,7 +335,7 @@ def test_each_task_gets_its_share_of_the_node_cpus_and_survives_a_preemption_sig
     from submitit.slurm.slurm import _make_sbatch_string
 
     from conftest import typed
-    from launcher.slurm import executor_parameters
+    from launcher.backends.slurm import executor_parameters
 
     gpu_job = typed("launcher=slurm", "trainer.nodes=2", "trainer.gpus=8")
     script = _make_sbatch_string(command="python -m x", folder="/tmp/f", **executor_parameters(gpu_job, cpus_per_node=64))
@@ -369,7 +369,7 @@ def test_a_task_whose_interpreter_would_abort_at_exit_still_ends_with_its_result
     from submitit.core.utils import DelayedSubmission
     from submitit.slurm.slurm import SlurmExecutor
 
-    from launcher.slurm import task_python
+    from launcher.backends.slurm import task_python
 
     DelayedSubmission(atexit.register, os.abort).dump(tmp_path / "7_submitted.pkl")  # os.abort runs at finalization
     command = SlurmExecutor._submitit_command_str.fget(SimpleNamespace(python=task_python(), folder=tmp_path))

@@ -4,6 +4,7 @@ other without a cycle, counting imports inside functions (a cycle held together 
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 
 import pytest
@@ -51,8 +52,58 @@ def cycle(graph: dict[str, set[str]]) -> list[str]:
 def test_the_launchers_modules_import_each_other_without_a_cycle():
     graph = imports_of("launcher")
     assert cycle(graph) == [], " -> ".join(cycle(graph))
-    backends = ("launcher.local", "launcher.slurm")
-    assert not [b for b in backends if "launcher.doctor" in graph[b]]  # the doctor uses the backends, not the reverse
+
+
+# launcher/ by concern, each floor importing only those below it (and the config's types, launcher/schema.py)
+FLOORS = ["launcher.run_dir", "launcher.backends", "launcher.checks", "launcher.tools"]
+ENTRY = {"launcher", "launcher.__main__", "launcher.main", "launcher.moved", "launcher.schema"}
+
+
+def floor(module: str) -> int:
+    """A module's floor in FLOORS; the entry (main, __main__) above them all."""
+    return next((i for i, f in enumerate(FLOORS) if module == f or module.startswith(f + ".")), len(FLOORS))
+
+
+def test_the_launchers_folders_hold_one_concern_each_and_import_one_way():
+    graph = imports_of("launcher")
+    top = {m for m in graph if m.count(".") <= 1 and m.removeprefix("launcher.") not in {f.split(".")[1] for f in FLOORS}}
+    assert top == ENTRY  # a new backend, check or tool goes into its folder, not beside main.py
+    upward = [f"{m} -> {t}" for m, targets in graph.items() for t in targets
+              if t not in ENTRY and floor(t) > floor(m)]
+    assert upward == []
+    assert graph["launcher.schema"] <= {"launcher"}  # the config's types depend on nothing of ours
+
+
+def test_the_launchers_module_paths_from_before_the_move_name_the_same_objects():
+    """A SLURM job submitted before the move unpickles its task by the old path; `python -m launcher.jobs` and the
+    other commands keep their short names."""
+    import pickle
+    import subprocess
+    import sys
+
+    from launcher.backends import slurm_job
+    from launcher.moved import MODULES
+
+    for old, new in MODULES.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    task = slurm_job.Requeues.__new__(slurm_job.Requeues)
+    old_pickle = pickle.dumps(task, protocol=0).replace(b"launcher.backends.slurm_job", b"launcher.slurm_job")
+    assert b"launcher.slurm_job" in old_pickle and type(pickle.loads(old_pickle)) is slurm_job.Requeues
+    out = subprocess.run([sys.executable, "-m", "launcher.jobs", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "status" in out.stdout, out.stderr
+
+
+def test_no_lower_floor_of_train_reaches_up_to_the_run():
+    """train.parts.Run (everything a run is made of) is assembled by train.run and used by the loop; the floors below
+    (checkpoint/, observe/, data/, parallel/, ...) take the parts they need, not the run, not even for typing (an
+    import under TYPE_CHECKING counts): no cycle through the hub. A submodule importing its own package (whose
+    __init__ re-exports it) is the usual Python package, not counted."""
+    graph = imports_of("train")
+    assert {m for m, targets in graph.items() if "train.parts" in targets} <= {"train.run", "train.loop"}
+    assert {m for m, targets in graph.items() if "train.run" in targets} <= {"train.__main__", "train.zygote"}
+    own_packages = {m: {t for t in targets if not m.startswith(t + ".")} for m, targets in graph.items()}
+    assert cycle(own_packages) == [], " -> ".join(cycle(own_packages))
 
 
 def test_train_never_imports_the_launcher():
@@ -119,8 +170,8 @@ def test_a_ddp_launch_does_not_import_what_only_sharding_needs():
     import subprocess
     import sys
 
-    modules = ["launcher.main", "launcher.local", "launcher.validate", "launcher.one_batch", "launcher.summary",
-               "launcher.forecast", "train.build"]
+    modules = ["launcher.main", "launcher.backends.local", "launcher.checks.validate", "launcher.checks.one_batch",
+               "launcher.tools.summary", "launcher.checks.forecast", "train.build"]
     script = f"import sys; import {', '.join(modules)}; print('torch.distributed.tensor' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

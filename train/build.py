@@ -1,6 +1,6 @@
 """Building what the config names with a `_target_`: the model, the task, the optimizer (hydra.utils.instantiate,
 from the resolved snapshot: workers never enter @hydra.main). The launcher checked every target against its
-signature before any process started (launcher/targets.py)."""
+signature before any process started (launcher/checks/targets.py)."""
 
 from __future__ import annotations
 

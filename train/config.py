@@ -6,7 +6,7 @@ imports Hydra.
 
 Where a user plugs in code (the model, the data sets, the task, the optimizer, a collate function) the config holds
 a node with a `_target_` (Hydra's convention: `{_target_: my_project.models.Net, depth: 4}`), typed `Any` here: the
-launcher checks it against the target's own signature before any process starts (launcher/targets.py), and the
+launcher checks it against the target's own signature before any process starts (launcher/checks/targets.py), and the
 workers build it with hydra.utils.instantiate from the snapshot (train/build.py).
 """
 

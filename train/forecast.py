@@ -15,7 +15,7 @@ are the real ones at the target scale, for any model size, in seconds. What one 
   the loss's float32 copy of the output): B x T x V for a language model, ~2 x 1.65 GB for GPT-2 at 8 x 1024;
 - gathered: under fsdp, the largest sharded unit's whole parameters, twice (the one computing, the one prefetched).
 
-Printed as JSON for the launcher's dry run (launcher/forecast.py), which judges it against the GPU's memory.
+Printed as JSON for the launcher's dry run (launcher/checks/forecast.py), which judges it against the GPU's memory.
 """
 
 from __future__ import annotations

@@ -12,16 +12,15 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from train import dist as distributed
 from train.checkpoint import BEST, BEST_DIR
-from train.checkpoint.run_state import save_checkpoint
+from train.checkpoint.run_state import write_checkpoint
 from train.data.build import build_eval_batches
 from train.evaluate import evaluate
-from train.fault_tolerance import ReplicaGroups, replica_group
+from train.fault_tolerance import Alone, ReplicaGroups, replica_group
 from train.observe.console import build_console, run_summary
 from train.observe.memory import log_memory
 from train.observe.metrics import build_metrics
@@ -30,11 +29,9 @@ from train.observe.profile import build_profiler
 from train.observe.startup import report_startup
 from train.observe.status import mark_alive, write_status
 from train.observe.throughput import peak_tflops
+from train.parts import Run
 from train.step import ForwardClock, Meter, SavedActivations, train_step
 from train.stopping import StopRequest
-
-if TYPE_CHECKING:
-    from train.run import Run
 
 PLAN_FILE = "plan.json"
 
@@ -99,18 +96,33 @@ def evaluate_and_save(run: Run, metrics, console) -> dict[str, float]:
     return result
 
 
+def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
+    """The checkpoint of the current step, on every rank of the group that writes it (train.checkpoint.run_state):
+    under replica groups, the first group of the quorum writes, the others skip it."""
+    run.finite.check("no checkpoint is written and the run stops")
+    if not run.replicas.writes():  # replica groups (train/fault_tolerance.py): one of them writes, the others skip
+        return
+    if run.env.rank == 0 and not isinstance(run.replicas, Alone):
+        run.ckpt.take_over()  # this group's rank 0 writes this one, whichever group wrote the last
+    write_checkpoint(run.ckpt, strategy=run.strategy, optimizer=run.optimizer, scheduler=run.scheduler,
+                     scaler=run.scaler, progress=run.progress, plan=run.plan, batches=run.batches, cfg=run.cfg,
+                     device=run.device, is_best=is_best, metrics=metrics)
+
+
 def fit(run: Run) -> Outcome:
     cfg, plan, progress, env, watchdog = run.cfg, run.plan, run.progress, run.env, run.watchdog
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     console = build_console(env, cfg.trainer.progress, plan.stop_step, progress.step)
-    metrics = build_metrics(env, cfg.loggers, tracked_run(run))
+    metrics = build_metrics(env, cfg.loggers, tracked_run(cfg, run.run_dir, progress.step, plan))
     hosts = distributed.gather_to_main(socket.gethostname(), run.control)  # where each rank runs, for the record
     if env.writes:
         record = {**plan.to_dict(), "hosts": hosts, "threads_per_process": torch.get_num_threads(),
                   "master_addr": os.environ.get("MASTER_ADDR")}  # where the ranks met (an address every node reaches)
         (run.run_dir / PLAN_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    console.print(describe_plan(run))
-    metrics.note("plan", describe_plan(run), progress.step)
+    described = describe_plan(cfg, plan, run.strategy.layout, run.scheduler, run.device, env.world_size,
+                              progress.step if run.resumed else None)
+    console.print(described)
+    metrics.note("plan", described, progress.step)
     if run.resumed:
         metrics.log("checkpoint", progress.step, {"load_s": progress.load_s})
         metrics.note("resume", f"resumed at step {progress.step} (checkpoint loaded in {progress.load_s:.1f} s)"

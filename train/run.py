@@ -10,7 +10,6 @@ import gc
 import logging
 import os
 import resource
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,19 +22,19 @@ from train.checkpoint.state import Progress, seed_rank
 from train.config import TrainConfig, checkpoint_format, load_config
 from train.data.build import build_train_source
 from train.data.in_memory import stage
-from train.data.sets import Datasets, build_datasets
-from train.data.source import TrainSource
+from train.data.sets import build_datasets
 from train.dist import DistEnv
-from train.fault_tolerance import Alone, ReplicaGroups, build_replicas
+from train.fault_tolerance import build_replicas
 from train.finite import FiniteWatch
 from train.host import freeze_imported_objects, keep_freed_memory, open_files_to_hard_limit
 from train.loop import Outcome, fit
 from train.observe.hang import HangReports, flight_recorder_env
 from train.observe.throughput import flops_per_token
 from train.observe.watchdog import Watchdog
-from train.optim import Plan, build_scheduler, job_world, make_plan, replica_rank, replicas, train_size
+from train.optim import build_scheduler, job_world, make_plan, replica_rank, replicas, train_size
 from train.parallel.strategies import build_strategy
 from train.parallel.strategy import Strategy, memory_format, place
+from train.parts import Run
 from train.step import build_autocast, set_matmul_precision
 from train.tasks import follow_model
 from train.writer import check_writer
@@ -86,36 +85,6 @@ def main(config_path: str | Path) -> Outcome:
         gc.collect()
         watchdog.close()
         distributed.cleanup()
-
-
-@dataclass
-class Run:
-    """Everything the loop touches, built once."""
-
-    cfg: TrainConfig
-    run_dir: Path
-    env: DistEnv
-    device: torch.device
-    data: Datasets
-    task: object  # loss and metrics (train.tasks)
-    plan: Plan
-    strategy: Strategy  # this rank's part of the model and how it is trained: ddp | fsdp | pipeline
-    memory_format: torch.memory_format  # of the model's weights and input batches
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    autocast: object
-    ckpt: CheckpointManager
-    progress: Progress
-    resumed: bool
-    control: torch.distributed.ProcessGroup  # on the CPU (train.dist.control_group): stop agreement, waits on I/O
-    watchdog: Watchdog
-    batches: TrainSource  # this rank's training batches
-    flops_per_token: float  # the model's training FLOPs per token, if it says (for MFU); else 0
-    finite: FiniteWatch  # the first step whose loss was NaN or inf (trainer.nonfinite)
-    replicas: Alone | ReplicaGroups  # the other replica groups (trainer.fault_tolerance=replicas), or none
-    startup_peak_bytes: int = 0  # this process's peak host memory once built (the model, its shards, a checkpoint)
-    evaluations: int = 0  # evaluations run by this process (under trainer.compile, the first one compiles)
 
 
 def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, control, watchdog: Watchdog,

@@ -1,5 +1,5 @@
 """Whether this process may write its run directory: RUN_DIR/lease.json names the one holder that writes it now (the
-launcher's side: launcher/lease.py). A launcher's ranks carry the key of the lease their launcher (or job) holds, in
+launcher's side: launcher/run_dir/lease.py). A launcher's ranks carry the key of the lease their launcher (or job) holds, in
 TRAIN_LEASE_KEY; a rank started any other way (`python -m train RUN_DIR/config.yaml`, plain torchrun, a user's srun
 line) while another holder's lease is live would train beside that holder, resume from its checkpoints and delete
 them by its own keep-last rule: it stops before it writes anything.

@@ -49,7 +49,7 @@ STREAMS = (0, 1, 2)
 # A zygote is ended by its launcher, not by a terminal's Ctrl-C or the agent's signals: its ranks die with it.
 IGNORED = RANK_SIGNALS
 RELAYED = IGNORED  # what a relay passes on (SLURM's warning before the time limit is SIGUSR1 or SIGUSR2)
-# What a zygote forks: a rank, or a rank's memory forecast (a dry run's, launcher/forecast.py).
+# What a zygote forks: a rank, or a rank's memory forecast (a dry run's, launcher/checks/forecast.py).
 RUNNABLE = ("train", "train.forecast")
 REQUEST_TIMEOUT_S = 30  # a relay sends its whole request right after connecting
 

@@ -192,7 +192,7 @@ class Slurm(Backend):
         return Launch(run_dir, command, job=job)
 
     def wait(self, launch, timeout=240):
-        from launcher.slurm import job_state
+        from launcher.backends.slurm import job_state
 
         ended = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
         deadline = time.monotonic() + timeout
@@ -208,14 +208,14 @@ class Slurm(Backend):
 
     def rank_pid(self, launch, name):
         """A task is its rank here (replica groups: a node's agent forks them, named as locally); a task keeps its
-        name (launcher/slurm_job.py says why), so it is found as an operator would: `scontrol listpids` or by its
+        name (launcher/backends/slurm_job.py says why), so it is found as an operator would: `scontrol listpids` or by its
         SLURM_PROCID."""
         steps = [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith(f"slurmstepd: [{launch.job}.")]
         below = [d for s in steps for d in descendants(s)]
         if name.startswith("train g"):
             return named(name, below)
         rank = name.split()[-1]
-        return next((pid for pid in below if " -m launcher.slurm_task " in _cmdline(str(pid))
+        return next((pid for pid in below if " -m launcher.backends.slurm_task " in _cmdline(str(pid))
                      and not _cmdline(str(pid)).startswith("srun ")  # the batch script's srun names it too
                      and f"SLURM_PROCID={rank}\0".encode() in _environ(pid)), None)
 
@@ -253,7 +253,7 @@ class Ray(Backend):
         return Launch(run_dir, command, job=job)
 
     def wait(self, launch, timeout=240):
-        from launcher.ray_backend import job_status
+        from launcher.backends.ray import job_status
 
         deadline = time.monotonic() + timeout
         while (state := job_status(launch.job, RAY_ADDRESS)) in ("PENDING", "RUNNING"):

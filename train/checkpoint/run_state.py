@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,10 +13,6 @@ from train.checkpoint.state import Progress, build_state, own_state, restore_sta
 from train.checkpoint.weights import read_weights
 from train.config import to_dict
 from train.dist import DistEnv
-from train.fault_tolerance import Alone
-
-if TYPE_CHECKING:
-    from train.run import Run
 
 log = logging.getLogger("train")
 
@@ -54,39 +49,36 @@ def resume(ckpt: CheckpointManager, cfg, env: DistEnv, strategy, optimizer, sche
     return progress, state
 
 
-def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
-    """Every rank takes part: gathering RNG states and data positions onto rank 0 (format file; a step directory
-    has a small file per rank instead) is a collective, and so are gathering the model's parts onto rank 0 (format
-    file, under fsdp or pipeline) or writing them in parallel (format dcp). A single file is written by rank 0
-    alone while the others wait for it (its stream watched, see the manager)."""
-    step, started = run.progress.step, time.perf_counter()
-    run.finite.check("no checkpoint is written and the run stops")
-    if not run.replicas.writes():  # replica groups (train/fault_tolerance.py): one of them writes, the others skip
-        return
-    if run.env.rank == 0 and not isinstance(run.replicas, Alone):
-        run.ckpt.take_over()  # this group's rank 0 writes this one, whichever group wrote the last
-    if run.ckpt.saved_step == step:
+def write_checkpoint(ckpt: CheckpointManager, *, strategy, optimizer, scheduler, scaler, progress: Progress, plan,
+                     batches, cfg, device: torch.device, is_best: bool = False, metrics=None) -> None:
+    """This rank's part of the checkpoint of step `progress.step` (train.loop.save_checkpoint decides whether this
+    replica group writes it). Every rank takes part: gathering RNG states and data positions onto rank 0 (format
+    file; a step directory has a small file per rank instead) is a collective, and so are gathering the model's
+    parts onto rank 0 (format file, under fsdp or pipeline) or writing them in parallel (format dcp). A single file
+    is written by rank 0 alone while the others wait for it (its stream watched, see the manager)."""
+    step, started = progress.step, time.perf_counter()
+    if ckpt.saved_step == step:
         if is_best:
-            run.ckpt.wait()  # best/ links the files of the step being written
-            run.ckpt.mark_best(step)
+            ckpt.wait()  # best/ links the files of the step being written
+            ckpt.mark_best(step)
         return
     # A background save still in flight runs its collectives (the commit's barrier) on the group the gathers below
     # use: two threads' collectives on one group pair up out of order and the ranks hang. It ends first.
-    run.ckpt.wait()
-    on_gpu = run.device.type == "cuda"
+    ckpt.wait()
+    on_gpu = device.type == "cuda"
     if on_gpu and metrics is not None:  # what the save itself takes on the GPU, beyond what training holds
-        allocated = torch.cuda.memory_allocated(run.device)
-        torch.cuda.reset_peak_memory_stats(run.device)
-    own, sharded = own_state(run.batches), run.ckpt.format == "dcp"
-    tensors, plain = sharded_parts(run.strategy, run.optimizer, run.ckpt.group) if sharded else (None, None)
+        allocated = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    own, sharded = own_state(batches), ckpt.format == "dcp"
+    tensors, plain = sharded_parts(strategy, optimizer, ckpt.group) if sharded else (None, None)
     state = build_state(
-        strategy=run.strategy, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
-        progress=run.progress, plan=run.plan, ranks=None if sharded else distributed.gather_to_main(own, run.ckpt.group),
-        config=to_dict(run.cfg), sharded_plain=plain,
+        strategy=strategy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, progress=progress, plan=plan,
+        ranks=None if sharded else distributed.gather_to_main(own, ckpt.group), config=to_dict(cfg),
+        sharded_plain=plain,
     )
-    run.ckpt.save(state, step, tensors=tensors, best=is_best, own=own)
+    ckpt.save(state, step, tensors=tensors, best=is_best, own=own)
     if metrics is not None:  # how long training stood still for this save (with async_save: the staging copy)
-        figures = {"stall_s": time.perf_counter() - started, "async": float(run.ckpt.background is not None)}
+        figures = {"stall_s": time.perf_counter() - started, "async": float(ckpt.background is not None)}
         if on_gpu:  # a staging copy on the host (async_save) must not be a second copy on the GPU
-            figures["gpu_extra_mb"] = (torch.cuda.max_memory_allocated(run.device) - allocated) / 2**20
+            figures["gpu_extra_mb"] = (torch.cuda.max_memory_allocated(device) - allocated) / 2**20
         metrics.log("checkpoint", step, figures)

@@ -16,7 +16,7 @@ from train.files import replace_text
 
 STATUS_FILE = "status.json"
 # RUN_DIR/.alive: its modification time is the last sign of life of any group's (or a script's) ranks, for a node
-# that waits for the others to finish (launcher/local.py others_finish); ddp_loop.py names it the same
+# that waits for the others to finish (launcher/backends/local.py others_finish); ddp_loop.py names it the same
 ALIVE_FILE = ".alive"
 
 

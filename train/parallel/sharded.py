@@ -97,7 +97,7 @@ class FSDPStrategy(Strategy):
         layout = self.layout
         self.tp_rank = 0
         self.sharded = fsdp_shards(cfg, layout)
-        if not self.sharded:  # one rank: the plain model (see fsdp_shards); launcher/summary.py says so
+        if not self.sharded:  # one rank: the plain model (see fsdp_shards); launcher/tools/summary.py says so
             self.module = torch.compile(model) if cfg.compile else model
             return
         self.module = model

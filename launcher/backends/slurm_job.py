@@ -1,6 +1,6 @@
 """Inside a SLURM job: each task's env:// variables from SLURM's, what every task runs (`SlurmTask`, or
 `SlurmReplicaNode` under replica groups; pickled by submitit, so a requeued job runs it again) and whether a SIGTERM
-is a preemption that requeues the job. launcher/slurm.py submits the job; launcher/slurm_task.py is each task's
+is a preemption that requeues the job. launcher/backends/slurm.py submits the job; launcher/backends/slurm_task.py is each task's
 entry point, which runs what submitit unpickles."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.lease import Lease, Renewer, read_lease
+from launcher.run_dir.lease import Lease, Renewer, read_lease
 from launcher.schema import Config
 from train.files import replace_text
 from train.observe.status import read_status, write_status
@@ -65,7 +65,7 @@ def export_env_from_slurm() -> dict[str, str]:
 def start_task(snapshot: str) -> tuple[str, Path, Lease, dict | None]:
     """What every task does first: the env:// variables from SLURM's, a half-written result of an earlier attempt
     cleared, and the job's lease checked: (job id, run directory, the job's lease, a refusal to return, or None)."""
-    from launcher.backend import lease_holder_alive
+    from launcher.backends.base import lease_holder_alive
 
     # The task keeps its name (python): SLURM's proctrack/linuxproc reads /proc/PID/stat naively, and a name with
     # spaces (`train rank 1`, a local rank's) hides the task from it: a step it cancels leaves a stopped task behind.
@@ -145,8 +145,8 @@ class SlurmTask(Requeues):
         try:
             outcome = main(self.snapshot)
         except Exception as error:  # the task that failed by itself says so, not one that lost a peer to it
-            from launcher.agent import PEER_LOST
-            from launcher.local import record_failure
+            from launcher.backends.agent import PEER_LOST
+            from launcher.backends.local import record_failure
 
             record_failure(run_dir, f"rank {os.environ['RANK']} failed: {type(error).__name__}: {error}",
                            (any(marker in str(error) for marker in PEER_LOST), time.time()))
@@ -174,7 +174,7 @@ class SlurmScript(Requeues):
 
         from omegaconf import OmegaConf
 
-        from launcher.script import script_env
+        from launcher.backends.script import script_env
 
         job_id, run_dir, mine, refused = start_task(self.snapshot)
         if refused:
@@ -223,7 +223,7 @@ def first_error(folder: Path) -> str:
 
 class SlurmReplicaNode:
     """What each node's one task runs under trainer.fault_tolerance=replicas: this node's replica groups, each under
-    its own agent, which restarts it alone (launcher.local.launch_replica_groups, as on several nodes without SLURM).
+    its own agent, which restarts it alone (launcher.backends.local.launch_replica_groups, as on several nodes without SLURM).
     The first node hosts torchft's Lighthouse and the groups' store on the job's MASTER_ADDR:MASTER_PORT (seeded by
     the job id, as env:// is); each group's agent sets its ranks' env:// variables itself. A requeue after a time
     limit or a preemption is not made in this mode: the ranks save on the signal, and a new launch resumes."""
@@ -234,7 +234,7 @@ class SlurmReplicaNode:
     def __call__(self) -> dict:
         from omegaconf import OmegaConf
 
-        from launcher.local import launch_replica_groups
+        from launcher.backends.local import launch_replica_groups
 
         export_env_from_slurm()
         clear_unfinished_result()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from launcher.network import hold_free_port, hosts_rendezvous
+from launcher.backends.network import hold_free_port, hosts_rendezvous
 from launcher.schema import Config
 from train.host import die_with
 

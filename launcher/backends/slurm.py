@@ -12,7 +12,7 @@ the task then asks SLURM whether the job is being preempted (its PreemptTime is 
 after the warning signal. A SIGTERM from `scancel` (no PreemptTime) stops the job for good. The batch script
 ignores SIGTERM, so that it does not end the job while the tasks save.
 
-What runs inside the job (the env:// variables, each task's work, the preemption question) is launcher/slurm_job.py.
+What runs inside the job (the env:// variables, each task's work, the preemption question) is launcher/backends/slurm_job.py.
 """
 
 from __future__ import annotations
@@ -30,11 +30,18 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launcher.backend import SubmittingBackend
-from launcher.lease import Lease, read_lease, take_lease
+from launcher.backends.base import SubmittingBackend
+from launcher.backends.script import script_command
+from launcher.backends.slurm_job import (
+    ENV_CONTRACT,
+    SlurmReplicaNode,
+    SlurmScript,
+    SlurmTask,
+    job_lease,
+    slurm_folder,
+)
+from launcher.run_dir.lease import Lease, read_lease, take_lease
 from launcher.schema import Config
-from launcher.script import script_command
-from launcher.slurm_job import ENV_CONTRACT, SlurmReplicaNode, SlurmScript, SlurmTask, job_lease, slurm_folder
 from train.observe.status import read_status, write_status
 from train.parallel.layout import procs_per_node
 
@@ -137,10 +144,10 @@ def executor_parameters(cfg: Config, cpus_per_node: int = 0) -> dict:
 
 
 def task_python() -> str:
-    """The python command submitit's batch script runs each task with: our entry (launcher.slurm_task) around
+    """The python command submitit's batch script runs each task with: our entry (launcher.backends.slurm_task) around
     submitit's. -P, as for the local workers: the job's working directory (the user's project) must not shadow our
     packages."""
-    return f"{shlex.quote(sys.executable)} -u -P -m launcher.slurm_task"
+    return f"{shlex.quote(sys.executable)} -u -P -m launcher.backends.slurm_task"
 
 
 def submit(cfg: Config, run_dir: Path, snapshot: Path):

@@ -26,14 +26,31 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig
 
-from launcher.agent import FROZEN_MARGIN_S, failure_headline, failure_report, first_failed, restart_would_repeat
-from launcher.agent import root_causes, run_agent
-from launcher.backend import Backend, check_run_dir_free
-from launcher.lease import LOCK_FILE, Lease, Renewer, flock
-from launcher.lighthouse import LIGHTHOUSE_ENV, die_with_launcher, meeting_place
-from launcher.network import NODE_ADDR_ENV, check_network, hosts_rendezvous, port_in_use, resolution_error
+from launcher.backends.agent import (
+    FROZEN_MARGIN_S,
+    failure_headline,
+    failure_report,
+    first_failed,
+    restart_would_repeat,
+    root_causes,
+    run_agent,
+)
+from launcher.backends.base import Backend, check_run_dir_free
+from launcher.backends.lighthouse import (
+    LIGHTHOUSE_ENV,
+    die_with_launcher,
+    meeting_place,
+)
+from launcher.backends.network import (
+    NODE_ADDR_ENV,
+    check_network,
+    hosts_rendezvous,
+    port_in_use,
+    resolution_error,
+)
+from launcher.backends.script import script_command, script_env
+from launcher.run_dir.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.schema import Config
-from launcher.script import script_command, script_env
 from train import zygote
 from train.checkpoint import checkpoint_dir, committed
 from train.dist import available_cores
@@ -66,7 +83,7 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
         # node's; a KubeRay pod answers by IP only), else torch looks up this machine's FQDN.
         local_addr=os.environ.get(NODE_ADDR_ENV) or None,
     )
-    # A field of LaunchConfig since torch 2.13, set after construction so that torch 2.11 takes it too (launcher.agent).
+    # A field of LaunchConfig since torch 2.13, set after construction so that torch 2.11 takes it too (launcher.backends.agent).
     config.shutdown_timeout = cfg.launcher.shutdown_timeout_s
     return config
 
@@ -205,8 +222,8 @@ def others_finish(run_dir: Path, quiet_s: float) -> None:
 
 
 def launch_replica_groups(cfg: Config, snapshot: Path, first: bool | None = None) -> int:
-    """trainer.fault_tolerance=replicas: where the groups meet (launcher/lighthouse.py; `first`: this node hosts it,
-    where a scheduler says which node is first), then one agent per replica group of this node (launcher/replicas.py),
+    """trainer.fault_tolerance=replicas: where the groups meet (launcher/backends/lighthouse.py; `first`: this node hosts it,
+    where a scheduler says which node is first), then one agent per replica group of this node (launcher/backends/replicas.py),
     each restarting its own group (launcher.max_restarts); every group to its end. The exit code is the worst group's
     (0: all finished)."""
     groups = []
@@ -223,7 +240,7 @@ def launch_replica_groups(cfg: Config, snapshot: Path, first: bool | None = None
                 # Its own session: a terminal's Ctrl-C (to the foreground process group) reaches this launcher only,
                 # which passes it on once; twice, the agent would take the second for "stop at once" and kill the
                 # ranks mid-save.
-                groups.append(subprocess.Popen([sys.executable, "-u", "-P", "-m", "launcher.replicas", str(snapshot),
+                groups.append(subprocess.Popen([sys.executable, "-u", "-P", "-m", "launcher.backends.replicas", str(snapshot),
                                                 str(group)], env=env, preexec_fn=die_with_launcher,
                                                start_new_session=True))
             stop = _forward_stops(groups)

@@ -17,9 +17,18 @@ from pathlib import Path
 import torch
 
 from train.build import add_import_path, build_model
-from train.checkpoint import BEST, BEST_DIR, CheckpointDamaged, checkpoint_dir, committed, dcp, dcp_index, load
-from train.config import CONFIG_FILE, load_config
+from train.checkpoint import (
+    BEST,
+    BEST_DIR,
+    CheckpointDamaged,
+    checkpoint_dir,
+    committed,
+    dcp,
+    dcp_index,
+    load,
+)
 from train.checkpoint.weights import misfit
+from train.config import CONFIG_FILE, load_config
 
 
 class ExportError(ValueError):

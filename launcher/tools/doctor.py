@@ -21,7 +21,12 @@ from pathlib import Path
 
 import torch
 
-from launcher.network import Finding, check_network, hosts_rendezvous, port_in_use
+from launcher.backends.network import (
+    Finding,
+    check_network,
+    hosts_rendezvous,
+    port_in_use,
+)
 from launcher.schema import CONF_DIR, Config
 
 GB = 2**30
@@ -143,9 +148,9 @@ def config_dir_options(args: list[str]) -> tuple[list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     from hydra import compose, initialize_config_dir
 
-    from launcher.rundir import register_resolvers, run_tag
+    from launcher.checks.validate import typed_config
+    from launcher.run_dir.directory import register_resolvers, run_tag
     from launcher.schema import register_configs
-    from launcher.validate import typed_config
     from train.build import add_import_path
 
     overrides, config_dirs = config_dir_options(sys.argv[1:] if argv is None else argv)

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from launcher.backend import BACKENDS, get_backend
+from launcher.backends.base import BACKENDS, get_backend
 from train.observe.metrics import read_records
 from train.observe.status import read_status
 

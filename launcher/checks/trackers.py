@@ -1,5 +1,5 @@
 """What the experiment trackers need on this machine before any process starts (their arguments are checked as any
-target's: launcher/targets.py). W&B online without a login fails in rank 0 after start, or waits at a prompt."""
+target's: launcher/checks/targets.py). W&B online without a login fails in rank 0 after start, or waits at a prompt."""
 
 from __future__ import annotations
 

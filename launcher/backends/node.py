@@ -1,8 +1,8 @@
-"""One node's agent of a run that a cluster engine started (launcher=ray): `python -m launcher.node SNAPSHOT HOST:PORT`.
+"""One node's agent of a run that a cluster engine started (launcher=ray): `python -m launcher.backends.node SNAPSHOT HOST:PORT`.
 
 The same as `python -m launcher trainer.nodes=N launcher.rdzv_endpoint=HOST:PORT` on each node, without composing
 or holding anything: the config is the run's snapshot, the run directory is held by the job, and restarts are the
-job's (launcher/ray_job.py), so this agent makes none of its own (but under replica groups, where each group's agent
+job's (launcher/backends/ray_job.py), so this agent makes none of its own (but under replica groups, where each group's agent
 restarts its group alone, as on any node).
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from launcher.local import Local
+from launcher.backends.local import Local
 from launcher.schema import Config
 from train.host import die_with_parent
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from launcher.backend import lease_holder_alive
-from launcher.lease import read_lease
+from launcher.backends.base import lease_holder_alive
+from launcher.run_dir.lease import read_lease
 from train.observe.metrics import read_records
 from train.observe.status import read_status
 

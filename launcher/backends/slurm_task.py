@@ -1,10 +1,10 @@
-"""What each task of a SLURM job runs: submitit's job processing (load the pickled launcher.slurm_job.SlurmTask, run it,
+"""What each task of a SLURM job runs: submitit's job processing (load the pickled launcher.backends.slurm_job.SlurmTask, run it,
 write its result for the submitter), then an end without the interpreter's finalization, as a local worker ends
 (train.dist.exit_without_finalizing says why: a gloo thread can abort a finished rank there, "terminate called
 without an active exception", and SLURM then records a job that trained to its end as FAILED).
 
-submitit runs `<python> -u -m submitit.core._submit FOLDER`; launcher.slurm gives it `<python> -u -P -m
-launcher.slurm_task` as its python, so this module gets submitit's arguments and takes the folder from the end.
+submitit runs `<python> -u -m submitit.core._submit FOLDER`; launcher.backends.slurm gives it `<python> -u -P -m
+launcher.backends.slurm_task` as its python, so this module gets submitit's arguments and takes the folder from the end.
 """
 
 import sys

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-
 import os
 import signal
 from pathlib import Path
@@ -18,25 +17,25 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from launcher.backend import BACKENDS, get_backend
-from launcher.one_batch import check_one_batch
+from launcher.backends.base import BACKENDS, get_backend
+from launcher.backends.script import PROGRAMS, check_script
+from launcher.checks.one_batch import check_one_batch
+from launcher.checks.targets import check_targets
+from launcher.checks.trackers import check_tracker_logins
 from launcher.schema import Config
-from launcher.script import PROGRAMS, check_script
-from launcher.trackers import check_tracker_logins
 from train.checkpoint import checkpoint_dir, committed, refuse_fresh_start_over
+from train.checkpoint.identity import describe, identity_changes
+from train.checkpoint.weights import misfit, read_weights
 from train.config import CHECKPOINT_FORMATS, CONFIG_FILE, checkpoint_format
-from train.observe.console import PROGRESS_MODES
-from launcher.targets import check_targets
 from train.data.sets import DatasetMissing, prepare
 from train.dist import resolve_backend
 from train.finite import POLICIES as NONFINITE_POLICIES
-from train.checkpoint.identity import describe, identity_changes
-from train.checkpoint.weights import misfit, read_weights
-from train.parallel.layout import LayoutError, layout_of, procs_per_node, world_size
 from train.models.vision import pipeline_stages
-from train.parallel.tensor_parallel import model_plan, problems_with
-from train.parallel.strategy import GRAD_COMPRESSIONS, MEMORY_FORMATS
+from train.observe.console import PROGRESS_MODES
+from train.parallel.layout import LayoutError, layout_of, procs_per_node, world_size
 from train.parallel.strategies import PIPELINE_SCHEDULES, STRATEGIES
+from train.parallel.strategy import GRAD_COMPRESSIONS, MEMORY_FORMATS
+from train.parallel.tensor_parallel import model_plan, problems_with
 
 PRECISIONS = ("32", "bf16", "fp16")
 

@@ -1,4 +1,4 @@
-"""`python -m launcher.replicas SNAPSHOT GROUP`: one replica group's elastic agent (trainer.fault_tolerance=replicas,
+"""`python -m launcher.backends.replicas SNAPSHOT GROUP`: one replica group's elastic agent (trainer.fault_tolerance=replicas,
 train/fault_tolerance.py), started by the local backend with REPLICA_GROUP_ID and TORCHFT_LIGHTHOUSE set: a process
 of its own per group (torch elastic handles signals in a main thread), so that a failure restarts that group alone.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from launcher.local import launch_config, run_workers
+from launcher.backends.local import launch_config, run_workers
 from launcher.schema import Config
 from train.host import die_with_parent
 from train.parallel.layout import procs_per_node

@@ -27,21 +27,29 @@ import signal
 import sys
 import threading
 import time
-
 from pathlib import Path
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import PContext
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.multiprocessing.errors import (
+    ChildFailedError,
+    ProcessFailure,
+)
+from torch.distributed.elastic.rendezvous import (
+    RendezvousParameters,
+    dynamic_rendezvous,
+)
 from torch.distributed.elastic.rendezvous import api as rendezvous_api
-from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
 
-from launcher.network import hold_free_port
+from launcher.backends.network import hold_free_port
 from train.fault_tolerance import REPLICA_GROUP_ENV
 from train.finite import NONFINITE_EXIT_CODE
 from train.observe.watchdog import HANG_EXIT_CODE

@@ -1,7 +1,7 @@
 """How a run's processes are started: one small interface, one module per backend (`launcher.name`).
 
 A backend validates what only it knows, holds the run directory for the launch (RUN_DIR/lease.json, see
-launcher/lease.py), starts the run (or submits it), says whether a lease's holder still owns the directory, and
+launcher/run_dir/lease.py), starts the run (or submits it), says whether a lease's holder still owns the directory, and
 stops a run. A new backend is one new module and one line in BACKENDS.
 """
 
@@ -15,10 +15,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launcher.lease import Lease, check_free, flock
+from launcher.run_dir.lease import Lease, check_free, flock
 from launcher.schema import Config
 
-BACKENDS = {"local": "launcher.local:Local", "slurm": "launcher.slurm:Slurm", "ray": "launcher.ray_backend:Ray"}
+BACKENDS = {"local": "launcher.backends.local:Local", "slurm": "launcher.backends.slurm:Slurm",
+            "ray": "launcher.backends.ray:Ray"}
 
 
 class Backend:
@@ -95,5 +96,5 @@ def lease_holder_alive(lease: Lease) -> tuple[bool, str]:
 
 
 def check_run_dir_free(run_dir: Path, key: str) -> str | None:
-    """launcher.lease.check_free with every backend's answer."""
+    """launcher.run_dir.lease.check_free with every backend's answer."""
     return check_free(run_dir, key, lease_holder_alive)

@@ -1,7 +1,7 @@
-"""The entrypoint of a launcher=ray job, on the cluster: `python -m launcher.ray_job RUN_DIR/config.yaml`.
+"""The entrypoint of a launcher=ray job, on the cluster: `python -m launcher.backends.ray_job RUN_DIR/config.yaml`.
 
 It reserves trainer.nodes bundles of a STRICT_SPREAD placement group (one per node, with the CPUs and GPUs of the
-node's ranks) and starts an actor on each, which runs the project's own agent (launcher/node.py: torch elastic, the
+node's ranks) and starts an actor on each, which runs the project's own agent (launcher/backends/node.py: torch elastic, the
 same as a local launch) with a c10d rendezvous on the first bundle's node. The trainer is untouched: env:// is its
 only contract. A lost node (its actor dies) or a failed rank stops every node's agent and, while
 launcher.max_restarts allows, starts them again (on the nodes left or returned) on a fresh rendezvous: training
@@ -24,10 +24,10 @@ from omegaconf import OmegaConf
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launcher.backend import lease_holder_alive
-from launcher.lease import Lease, Renewer, read_lease
-from launcher.network import NODE_ADDR_ENV
-from launcher.ray_backend import bundle
+from launcher.backends.base import lease_holder_alive
+from launcher.backends.network import NODE_ADDR_ENV
+from launcher.backends.ray import bundle
+from launcher.run_dir.lease import Lease, Renewer, read_lease
 from launcher.schema import Config
 from train.host import PARENT_ENV, USER_PATH_ENV
 from train.observe.status import read_status, write_status
@@ -65,7 +65,7 @@ class NodeAgent:
                "LAUNCHER_RESTARTS": str(restarts), LEASE_KEY_ENV: lease_key,  # the driver's lease: its ranks write
                NODE_ADDR_ENV: ray.util.get_node_ip_address()}  # MASTER_ADDR by IP, not a name pods cannot resolve
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-u", "-P", "-m", "launcher.node", snapshot, endpoint, env=env)
+            sys.executable, "-u", "-P", "-m", "launcher.backends.node", snapshot, endpoint, env=env)
         if self.stopping:
             self.process.send_signal(signal.SIGTERM)
         return await self.process.wait()

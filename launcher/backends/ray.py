@@ -1,5 +1,5 @@
 """Submit a run as ONE job through the Ray Jobs API: trainer.nodes nodes of a Ray cluster, the project's own agent
-on each (launcher/ray_job.py is the job's entrypoint, on the cluster).
+on each (launcher/backends/ray_job.py is the job's entrypoint, on the cluster).
 
 The launcher uploads the working directory (the user's code; the run directories, virtual environments and
 launcher.excludes left out) and returns with the job's submission id, which holds the run directory's lease: the
@@ -18,9 +18,8 @@ import time
 import uuid
 from pathlib import Path
 
-
-from launcher.backend import LogsUnavailable, SubmittingBackend
-from launcher.lease import Lease, release, take_lease
+from launcher.backends.base import LogsUnavailable, SubmittingBackend
+from launcher.run_dir.lease import Lease, release, take_lease
 from launcher.schema import Config
 from train.observe.status import read_status, write_status
 from train.parallel.layout import procs_per_node
@@ -69,7 +68,7 @@ def bundle(cfg: Config) -> dict[str, float]:
 
 
 # The job's entry, where Ray starts it: in the uploaded working directory, which Ray also puts first on PYTHONPATH.
-# A project's own launcher.py there would be what `python -m launcher.ray_job` runs: the directory is taken off
+# A project's own launcher.py there would be what `python -m launcher.backends.ray_job` runs: the directory is taken off
 # PYTHONPATH (by an interpreter that ignores PYTHONPATH) and -P keeps the current directory off the path.
 _PATH_WITHOUT_HERE = ("import os; here = os.path.realpath(os.getcwd()); print(os.pathsep.join(p for p in "
                       "os.environ.get('PYTHONPATH', '').split(os.pathsep) if p and os.path.realpath(p) != here))")
@@ -77,7 +76,7 @@ _PATH_WITHOUT_HERE = ("import os; here = os.path.realpath(os.getcwd()); print(os
 
 def entrypoint(snapshot: Path) -> str:
     return (f'PYTHONPATH="$(python -I -c {shlex.quote(_PATH_WITHOUT_HERE)})" '
-            f"python -u -P -m launcher.ray_job {shlex.quote(str(snapshot))}")
+            f"python -u -P -m launcher.backends.ray_job {shlex.quote(str(snapshot))}")
 
 
 def upload_excludes(cfg: Config, run_dir: Path, root: Path) -> list[str]:

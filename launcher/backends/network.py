@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from launcher.schema import Config
 
-NODE_ADDR_ENV = "LAUNCHER_NODE_ADDR"  # a node's IP, set by a cluster engine's node agent (launcher/ray_job.py)
+NODE_ADDR_ENV = "LAUNCHER_NODE_ADDR"  # a node's IP, set by a cluster engine's node agent (launcher/backends/ray_job.py)
 
 
 @dataclass
@@ -101,7 +101,7 @@ def hosts_rendezvous(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback or bindable(host)
     except ValueError:  # a name: another machine's (a scheduler that knows which node is first says so instead:
-        return False    # launcher/lighthouse.py meeting_place's `first`)
+        return False    # launcher/backends/lighthouse.py meeting_place's `first`)
 
 
 def bindable(address: str) -> bool:

@@ -87,7 +87,7 @@ def check_printable(overrides) -> None:
 
 
 # What marks a directory as a run of this launcher: the lease's lock file, made by every launch before it writes
-# anything else there (launcher/lease.py).
+# anything else there (launcher/run_dir/lease.py).
 RUN_MARK = ".launcher.lock"
 RUN_MARKS = (RUN_MARK, "lease.json")  # the lease itself: a run held (or left) by a launch elsewhere
 # Run directories this launch created (the first ancestor that did not exist, for each): a launch refused before it

@@ -43,7 +43,7 @@ class RunDirBusy(RuntimeError):
 
 @dataclass
 class Lease:
-    backend: str  # which backend answers whether the holder is alive (launcher.backend.get_backend)
+    backend: str  # which backend answers whether the holder is alive (launcher.backends.base.get_backend)
     holder: str  # what holds it, for people: "launcher pid 812 on node3", "SLURM job 4711"
     key: str  # the holder's identity: leases with the same key are the same holder (every node of a run)
     host: str = field(default_factory=socket.gethostname)

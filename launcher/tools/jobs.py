@@ -1,5 +1,5 @@
 """`python -m launcher.jobs status|logs|cancel RUN_DIR`: where a run stands (step, loss, throughput, ETA, restarts:
-launcher/progress.py), who holds its directory, and the jobs submitted for it (SLURM, Ray); for a whole sweep, pass
+launcher/tools/progress.py), who holds its directory, and the jobs submitted for it (SLURM, Ray); for a whole sweep, pass
 its sweep directory to status (one table) and cancel.
 
 Reads RUN_DIR/lease.json (the holder: a local launcher, a SLURM job, a Ray job) and the jobs each backend recorded at
@@ -13,10 +13,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from launcher.backend import BACKENDS, LogsUnavailable, get_backend, lease_holder_alive
-from launcher.lease import read_lease
-from launcher.progress import print_progress
-from launcher.sweep import point_dirs
+from launcher.backends.base import (
+    BACKENDS,
+    LogsUnavailable,
+    get_backend,
+    lease_holder_alive,
+)
+from launcher.run_dir.lease import read_lease
+from launcher.tools.progress import print_progress
+from launcher.tools.sweep import point_dirs
 from train.observe.status import read_status
 
 
