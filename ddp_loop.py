@@ -208,11 +208,49 @@ def _run(argv: list[str]) -> None:
     if argv[:1] == ["-m"]:
         module, sys.argv = argv[1], [argv[1], *argv[2:]]
         sys.path.insert(0, os.getcwd())
-        record(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))()
+        run = record(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
     else:
         script, sys.argv = argv[0], list(argv)
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        record(lambda: runpy.run_path(script, run_name="__main__"))()
+        run = record(lambda: runpy.run_path(script, run_name="__main__"))
+    try:
+        run()
+    except SystemExit as stop:
+        if stop.code is not None and not isinstance(stop.code, int):
+            raise  # sys.exit("message"): Python prints it and exits with 1
+        _exit_after_the_script(stop.code or 0)
+    _exit_after_the_script(0)
+
+
+def _exit_after_the_script(code: int) -> None:
+    """A script that ended by itself (returned, or sys.exit(N)) gets what Python's own exit gives it: its
+    non-daemon threads awaited, its atexit handlers (logging's flush, trackers' finish), its objects finalized (a
+    file it left open is flushed and closed), stdout and stderr flushed; then the process ends without Python's
+    finalization. In that finalization a gloo worker thread still releasing a finished collective's tensors takes
+    the GIL and the rank aborts ("terminate called without an active exception", SIGABRT: ~1 exit in 12 on a
+    loaded machine, on the rank that finishes first; torch 2.13, pytorch/pytorch#179291), and the launcher reports
+    a run that finished as failed."""
+    import atexit
+    import gc
+    import io
+    import threading
+
+    try:
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+        atexit._clear()  # what they held (the script's globals, often) may go now
+        gc.collect()
+        # A file still referenced (the script's globals, a library's cache) is flushed as Python's finalization
+        # would flush it; stdout and stderr last
+        for stream in [o for o in gc.get_objects() if isinstance(o, io.IOBase)] + [sys.stdout, sys.stderr]:
+            try:
+                stream.flush()
+            except Exception:  # closed, or not writable: nothing to flush there
+                pass
+    finally:
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,40 @@ def test_a_script_whose_ranks_all_go_silent_is_reported_with_every_ranks_stacks(
     assert status["status"] == "failed" and "exit code 70" in status["error"], status
 
 
+ENDS = """
+import atexit
+import sys
+import threading
+
+log = open("left_open.txt", "w")  # never closed: Python's exit flushes it
+log.write("written, never flushed")
+atexit.register(lambda: open("atexit.txt", "w").write("ran"))
+go = threading.Event()
+threading.Thread(target=lambda: (go.wait(), open("thread.txt", "w").write("joined"))).start()
+go.set()
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_script_that_ends_by_itself_gets_what_pythons_exit_gives_it_and_its_exit_code(tmp_path):
+    """Each rank of a script ends without Python's finalization (ddp_loop._exit_after_the_script: there, a gloo
+    worker still releasing a collective's tensors aborted ~1 rank in 12 with SIGABRT, and a run that finished was
+    reported failed). What the script expects of its exit still happens: its non-daemon threads are awaited, its
+    atexit handlers run, a file it left open is flushed, and sys.exit(N) is its exit code."""
+    (tmp_path / "ends.py").write_text(ENDS)
+    for code in (0, 3):
+        here = tmp_path / f"exit{code}"
+        here.mkdir()
+        (here / "ends.py").write_text(ENDS)
+        proc = run_cli("launcher", "program=script", "program.script=ends.py", f"program.args=[{code}]",
+                       "trainer.procs_per_node=1", f"hydra.run.dir={here / 'run'}", cwd=here)
+        assert proc.returncode == (1 if code else 0), proc.stderr[-2000:]
+        assert (here / "left_open.txt").read_text() == "written, never flushed"
+        assert (here / "atexit.txt").read_text() == "ran" and (here / "thread.txt").read_text() == "joined"
+        if code:
+            assert "exit code 3" in json.loads((here / "run" / "status.json").read_text())["error"]
+
+
 def test_a_missing_script_or_both_a_script_and_a_module_are_refused_before_start(tmp_path):
     here = project(tmp_path)
     missing = run_cli("launcher", "program=script", "program.script=nope.py", f"hydra.run.dir={here / 'r1'}", cwd=here)

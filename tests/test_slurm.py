@@ -431,3 +431,19 @@ def test_a_crashing_script_fails_its_job_with_its_own_traceback(cluster, tmp_pat
     assert status["status"] == "failed"
     assert status["error"] == "rank 1 failed: ValueError: my loop broke at epoch 1 on rank 1"  # not rank 0's lost peer
     assert "my_loop.py" in (slurm_folder(run_dir) / f"{job_id}_1_log.err").read_text()  # its own traceback, in its task's log
+
+
+def test_a_scripts_job_names_the_rank_that_failed_by_itself_not_the_one_that_lost_its_peer(tmp_path):
+    """Each task of a script's job writes the first error of the ranks' error files (torch's @record format, whole
+    seconds): rank 1 raised, rank 0 lost its peer in the same second. Rank 0's file once won on the tie (1 in 2)."""
+    from launcher.backends.slurm_job import first_error
+
+    def error_file(rank: int, text: str, when: int) -> None:
+        message = {"message": text, "extraInfo": {"py_callstack": "", "timestamp": str(when)}}
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"message": message}))
+
+    error_file(0, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:44749", 1700000000)
+    error_file(1, "ValueError: my loop broke at epoch 1 on rank 1", 1700000000)
+    assert first_error(tmp_path) == "rank 1 failed: ValueError: my loop broke at epoch 1 on rank 1"
+    error_file(2, "OSError: disk full", 1699999999)  # an earlier failure of its own comes first
+    assert first_error(tmp_path) == "rank 2 failed: OSError: disk full"

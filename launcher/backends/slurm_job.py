@@ -209,15 +209,21 @@ class SlurmScript(Requeues):
 
 
 def first_error(folder: Path) -> str:
-    """'rank R failed: ERROR' of the earliest error file in `folder` (torch's @record format), '' if none."""
+    """'rank R failed: ERROR' of the first error file in `folder` (torch's @record format), '' if none: a rank that
+    failed by itself before one that only lost a peer to it (their files' times count whole seconds: both fail
+    within one), then the earlier, then the lower rank (as launcher.backends.agent.first_failed orders them)."""
+    from launcher.backends.agent import PEER_LOST
+
     found = []
     for path in folder.glob("rank*.json"):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             message = json.loads(path.read_text())["message"]
-            found.append((float(message["extraInfo"]["timestamp"]), path.stem[4:], message["message"]))
+            text = message["message"]
+            found.append((any(marker in text for marker in PEER_LOST), float(message["extraInfo"]["timestamp"]),
+                          int(path.stem[4:]), text))
     if not found:
         return ""
-    _, rank, text = min(found)
+    _, _, rank, text = min(found)
     return f"rank {rank} failed: {text.strip().splitlines()[-1] if text.strip() else text}"
 
 
