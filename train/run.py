@@ -91,9 +91,10 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
           saving=None) -> Run:
     """`saving`: the gloo group of the checkpoint collectives (a background save's own, apart from `control`).
     Each part is a start-up phase of the watchdog: minutes at scale, never taken for a hang while it progresses."""
+    world, replica = job_world(cfg, env), replica_rank(cfg, env)  # this rank's place, once: every part reads it
     with watchdog.phase("preparing the data"):
-        data = stage(build_datasets(cfg.data, replica_rank(cfg, env), replicas(cfg, job_world(cfg, env))), device)
-    plan = make_plan(cfg, job_world(cfg, env), train_size(data.train, cfg))
+        data = stage(build_datasets(cfg.data, replica, replicas(cfg, world)), device)
+    plan = make_plan(cfg, world, train_size(data.train, cfg))
     task = build_task(cfg)
     with watchdog.phase("building the model"):
         model, recipes = build_initial_model(cfg)
@@ -122,7 +123,7 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
                              fmt=checkpoint_format(cfg), group=saving, watchdog=watchdog, local_rank=env.local_rank)
     with watchdog.phase("loading the checkpoint"):
         progress, state = resume(ckpt, cfg, env, strategy, optimizer, scheduler, scaler, plan)
-    batches = build_train_source(cfg.data, data.train, replica_rank(cfg, env), plan.replicas, cfg.trainer.seed,
+    batches = build_train_source(cfg.data, data.train, replica, plan.replicas, cfg.trainer.seed,
                                  plan.steps_per_epoch * cfg.trainer.accumulate, device, fmt)
     if state is not None and state["world_size"] == plan.world_size and state["global_batch"] == plan.global_batch:
         batches.load_state_dict((ckpt.rank_state(state, env.rank) or {}).get("data"))
