@@ -132,6 +132,10 @@ class Driver:
                     code = ray.get(done[0])
                 except ray.exceptions.RayActorError as error:
                     return 1, f"node {node} was lost ({type(error).__name__})"
+                except ray.exceptions.RayTaskError as error:  # its agent raised: a failed attempt, not the driver's end
+                    # (an actor placed on a node that came back found its working directory gone: FileNotFoundError)
+                    cause = getattr(error, "cause", None) or error
+                    return 1, f"node {node}'s agent failed: {type(cause).__name__}: {cause}"
                 if code != 0:
                     # The other nodes' ranks fail within moments (their peer is gone), and their agents' reports may
                     # hold the rank that failed by itself (status.json keeps that one first): awaited, a little
