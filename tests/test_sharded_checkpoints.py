@@ -4,6 +4,7 @@ world sizes and strategies, a damaged or unfinished step skipped, a crash during
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 
 import pytest
@@ -161,18 +162,24 @@ def test_export_of_a_sharded_run_loads_strictly_and_evaluates_as_the_run_did(str
     assert missing.returncode == 2 and "no committed checkpoint of step 4" in missing.stderr
 
 
-def test_a_leftover_write_is_never_removed_where_other_ranks_create_the_directory(tmp_path, monkeypatch):
+def test_a_leftover_write_is_emptied_in_place_where_other_ranks_create_the_directory(tmp_path):
     """The writer clears a leftover `.step_N.tmp` while the other ranks' DCP writers `mkdir(exist_ok=True)` it: a
-    directory removed in place is, for a moment, one that mkdir finds and is_dir then does not (FileExistsError on
-    a rank). It leaves in one rename first; the pieces of a crash in between are dropped by `recover`."""
+    directory removed, or renamed away, is for a moment one that mkdir finds and is_dir then does not
+    (FileExistsError on a rank; both happened). The directory stays the same one; only its content goes."""
     tmp = dcp.writing(tmp_path / "step_00000008")
     (tmp / "sub").mkdir(parents=True)
+    (tmp / "sub" / "x").write_bytes(b"leftover")
     (tmp / "__0_0.distcp").write_bytes(b"leftover")
-    removed, rmtree = [], shutil.rmtree
-    monkeypatch.setattr(dcp.shutil, "rmtree", lambda path, *a, **k: (removed.append(path), rmtree(path, *a, **k)))
-    dcp.prepare(tmp)
+    held = os.open(tmp, os.O_RDONLY)  # as another rank's mkdir found it (held open: its inode is not reused)
+    try:
+        dcp.prepare(tmp)
+        assert os.path.samestat(os.fstat(held), os.stat(tmp)), "the directory other ranks made was replaced"
+    finally:
+        os.close(held)
     assert tmp.is_dir() and not any(tmp.iterdir())  # empty, ready to write into
-    assert removed and tmp not in removed  # the leftover was removed elsewhere, under another name
-    (tmp_path / f"{tmp.name}.1.stale").mkdir()  # a crash between the rename and the removal
+    assert [p.name for p in tmp_path.iterdir()] == [tmp.name]  # nothing left beside it
+    dcp.prepare(tmp_path / ".step_00000012.tmp")  # none yet: made
+    assert (tmp_path / ".step_00000012.tmp").is_dir()
+    (tmp_path / f"{tmp.name}.1.stale").mkdir()  # left by an older version's crash between its rename and removal
     dcp.recover(tmp_path, logging.getLogger("test"))
     assert not list(tmp_path.glob(".*.stale"))

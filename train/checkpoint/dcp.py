@@ -155,15 +155,17 @@ def writing(final: Path) -> Path:
 
 def prepare(directory: Path) -> None:
     """An empty directory to write into (writer, before the save's first collective): a leftover of an
-    unfinished write is never a checkpoint. The other ranks' DCP writers may create it meanwhile (they write
-    nothing into it before the collective that the writer joins after this), so a leftover leaves in one rename
-    before it is removed: their `mkdir(exist_ok=True)` finds a directory or none, never one being removed (which
-    it reports as FileExistsError: a rank of a 4-process pipeline run failed so, 2026-11-26)."""
-    if directory.exists():
-        aside = directory.with_name(f"{directory.name}.{os.getpid()}.stale")
-        os.replace(directory, aside)
-        shutil.rmtree(aside)
+    unfinished write is never a checkpoint. The other ranks' DCP writers may `mkdir(exist_ok=True)` it meanwhile
+    (they write nothing into it before the collective that the writer joins after this), so the directory itself
+    stays: only what is in it is removed. A directory removed or renamed away is, for a moment, one that their
+    mkdir finds and its is_dir check then does not (FileExistsError: a rank of a 4-process pipeline run failed so
+    on a removal, 2026-11-26, and a tp x fsdp run on a rename, 2026-11-27)."""
     directory.mkdir(parents=True, exist_ok=True)
+    for entry in directory.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -193,7 +195,7 @@ def recover(directory: Path, log) -> None:
             shutil.rmtree(tmp)
         else:
             publish(tmp, final)
-    for stale in directory.glob(".*.stale"):  # moved aside by `prepare`, which crashed before removing it
+    for stale in directory.glob(".*.stale"):  # moved aside by an older `prepare`, which crashed before removing it
         shutil.rmtree(stale, ignore_errors=True)
     for old in directory.glob(".*.old"):
         final = old.with_name(old.name[1 : -len(".old")])
