@@ -46,18 +46,37 @@ def cli() -> None:
         zygote.stop_forked()
 
 
-MULTIRUN_FLAGS = ("-m", "--multirun")
+# Hydra's options that take the next word as their value (its parser, hydra/_internal/utils.py get_args_parser).
+VALUED_FLAGS = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--cfg", "-c", "--package", "-p",
+                "--experimental-rerun"}
+INFO_FLAGS, INFO_CHOICES = {"--info", "-i"}, {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
 
 
-def multirun_flag_first(argv: list[str]) -> list[str]:
-    """`-m` / `--multirun` moved before the overrides: Hydra's parser takes it only there ("unrecognized arguments"
-    for every override after it otherwise), while users write it anywhere, as after `python -m launcher A=1 -m`."""
-    flags = [a for a in argv if a in MULTIRUN_FLAGS]
-    return [*flags[:1], *(a for a in argv if a not in MULTIRUN_FLAGS)] if flags else argv
+def hydra_flags_first(argv: list[str]) -> list[str]:
+    """Hydra's options (`-m`, `--config-dir DIR`, `--cfg job`, ...) moved before the overrides, each with its value:
+    Hydra's parser takes them only there ("unrecognized arguments" for every override after one), while users write
+    them anywhere, as in `python -m launcher trainer.gpus=2 --config-dir conf +experiment=mine` or `... A=1 -m`."""
+    flags, overrides, words = [], [], iter(argv)
+    for word in words:
+        if not word.startswith("-"):
+            overrides.append(word)
+            continue
+        flags.append(word)
+        if word in INFO_FLAGS:  # its value is optional: one of its choices when given
+            following = next(words, None)
+            if following is not None and following not in INFO_CHOICES:
+                overrides.append(following)  # an override after --info: not its value
+            elif following is not None:
+                flags.append(following)
+        elif word in VALUED_FLAGS:
+            following = next(words, None)
+            if following is not None:
+                flags.append(following)
+    return [*flags, *overrides]
 
 
 def compose_and_launch() -> None:
-    sys.argv[1:] = multirun_flag_first(sys.argv[1:])
+    sys.argv[1:] = hydra_flags_first(sys.argv[1:])
     register_configs()
     register_resolvers()
     # Hydra's errors reach us (not only its printed summary) so that an override of a missing key is explained.

@@ -162,8 +162,20 @@ def built(cfg: Config, key: str, problems: list[str]):
     except Exception as error:  # noqa: BLE001 (the user's data code: any failure is reported with its type)
         cause = error.__cause__ or error  # Hydra's instantiate wraps it
         message = " ".join(str(cause).split())
-        problems.append(f"data.{key} ({node['_target_']}) cannot be built: {type(cause).__name__}: {message[:400]}")
+        problems.append(f"data.{key} ({node['_target_']}) cannot be built: {type(cause).__name__}: {message[:400]}"
+                        + naming_the_missing_file(cause, f"data.{key}", node))
         return None
+
+
+def naming_the_missing_file(error: BaseException, where: str, node) -> str:
+    """'. data.train.path names it: ...' where the file an OSError did not find is the value of an argument."""
+    missing = getattr(error, "filename", None) if isinstance(error, FileNotFoundError) else None
+    if not missing:
+        return ""
+    named = [k for k, v in node.items() if isinstance(v, str) and v and (v == missing or str(missing).startswith(v))]
+    if not named:
+        return ". Check the paths the data set is given (data.root and its arguments)."
+    return (f". {where}.{named[0]}={node[named[0]]!r} names it: give the path of a file that is there.")
 
 
 def check_one_batch(cfg: Config, problems: list[str]) -> None:

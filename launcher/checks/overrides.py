@@ -1,6 +1,6 @@
 """Hydra's failures to read the command line, said as the launcher says every other mistake: an override that names a
 key the config does not have, a config of the user's own that Hydra was not told where to find, a value that needed
-quoting.
+quoting, a value of the wrong type.
 
 Hydra's own message ("Could not override 'trainer.stop_check_evry'. To append to your config use +...") sends a
 user with a misspelt key to add it as a new one. Here the node's own keys are listed with the closest one, and the
@@ -14,7 +14,8 @@ from difflib import get_close_matches
 from pathlib import Path
 
 from hydra.errors import MissingConfigException, OverrideParseException
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 FREE_FORM = ("model", "task", "data.train", "data.eval", "data.collate_fn", "optim.optimizer", "optim.schedule", "loggers")
 
@@ -32,6 +33,8 @@ def explain(error: BaseException) -> str | None:
     if isinstance(error, OverrideParseException):
         return explain_unparsed(error)
     cause = error.__cause__
+    if isinstance(cause, ValidationError) and cause.full_key:
+        return explain_wrong_type(str(cause.full_key), cause)
     if not isinstance(cause, (ConfigKeyError, ConfigAttributeError)) or cause.parent_node is None:
         return None
     key, full_key = str(cause.key), str(cause.full_key)
@@ -58,6 +61,21 @@ def describe(error: BaseException) -> str:
     return f"{error} ({' '.join(str(cause).split())})" if cause is not None and str(cause) not in str(error) else str(error)
 
 
+def explain_wrong_type(full_key: str, cause: ValidationError) -> str | None:
+    """`trainer.max_steps=many`: Hydra's text ("Value 'many' of type 'str' could not be converted to Integer
+    full_key: ... reference_type=TrainerConfig") said as the type the key takes and its default."""
+    from launcher.schema import Config
+
+    default = OmegaConf.select(OmegaConf.structured(Config), full_key, default=None)
+    if default is None or isinstance(default, (dict, list)) or OmegaConf.is_config(default):
+        return None
+    kind = {bool: "true or false", int: "an integer", float: "a number"}.get(type(default), type(default).__name__)
+    value = getattr(cause, "value", None)  # not every omegaconf sets it: the message quotes it
+    shown = repr(value) if value is not None else str(cause).split("'")[1] if "'" in str(cause) else "the value"
+    return (f"{full_key}={shown} is not {kind}: give {kind} (its default: {full_key}="
+            f"{str(default).lower() if isinstance(default, bool) else default}).")
+
+
 def explain_missing_option(error: MissingConfigException) -> str | None:
     """`+experiment=mine` where mine.yaml is the user's own (conf/experiment/mine.yaml of the project): Hydra looks in
     the launcher's config only unless --config-dir names the project's."""
@@ -71,7 +89,7 @@ def explain_missing_option(error: MissingConfigException) -> str | None:
     if found:
         where = str(Path(found[0]).relative_to(Path.cwd()))
         return (f"{group}={option}: there is no {group} {option!r} in the launcher's config, but {where}/{group}/"
-                f"{option}.yaml is here: add --config-dir {where} (before the overrides) so that Hydra looks there too.")
+                f"{option}.yaml is here: add --config-dir {where} so that Hydra looks there too.")
     return (f"{group}={option}: no {group} {option!r} in the launcher's config, nor in ./conf or ./*/conf.{options} A "
             f"config of your own: put it in CONF/{group}/{option}.yaml of your project and add --config-dir CONF.")
 

@@ -10,6 +10,7 @@ import importlib.util
 import math
 import os
 import signal
+from difflib import get_close_matches
 from pathlib import Path
 
 import torch
@@ -55,10 +56,19 @@ def typed_config(cfg: DictConfig) -> Config:
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg, resolve=True)))
     except ConfigKeyError as error:
-        raise ConfigError(
-            [f"{error.full_key} is not a config key (misspelt?); the keys and their meaning are in train/config.py "
-             f"and launcher/schema.py, or print the whole config with: python -m launcher --cfg job"]
-        ) from error
+        raise ConfigError([f"{error.full_key} is not a config key{closest_key(str(error.full_key))}; the keys and "
+                           f"their meaning are in train/config.py and launcher/schema.py, or print the whole config "
+                           f"with: python -m launcher --cfg job"]) from error
+
+
+def closest_key(full_key: str) -> str:
+    """' (did you mean trainer.max_steps?)' for a key added with + that the schema does not have; ' (misspelt?)'
+    where none is close."""
+    node, _, key = full_key.rpartition(".")
+    parent = OmegaConf.select(OmegaConf.structured(Config), node) if node else OmegaConf.structured(Config)
+    keys = [str(k) for k in parent.keys()] if isinstance(parent, DictConfig) else []
+    close = get_close_matches(key, keys, n=1)
+    return f" (did you mean {node + '.' if node else ''}{close[0]}?)" if close else " (misspelt?)"
 
 
 def _choice(problems: list[str], key: str, value, choices) -> bool:
@@ -83,13 +93,14 @@ def _check_world(cfg: Config, problems: list[str], cuda_devices: int, runs_here:
         problems.append(
             f"trainer.gpus={t.gpus}, but this machine has {cuda_devices} CUDA device(s)"
             f"{'' if torch.backends.cuda.is_built() else ' (this torch is a CPU-only build)'}: use "
-            f"trainer.gpus={cuda_devices} or fewer" + (", or " if cuda_devices else "; or ")
+            + (f"trainer.gpus={cuda_devices} or fewer, or " if cuda_devices else "")
             + "trainer.gpus=0 to train on CPU with trainer.procs_per_node processes."
         )
     if t.gpus == 0:
         _at_least(problems, "trainer.procs_per_node", t.procs_per_node, 1)
     if _choice(problems, "trainer.backend", t.backend, ("auto", "gloo", "nccl")):
-        if resolve_backend(t.backend, t.gpus) == "nccl" and (t.gpus == 0 or cuda_devices == 0):
+        too_many = t.backend == "auto" and t.gpus > cuda_devices  # said above: nccl follows from trainer.gpus
+        if resolve_backend(t.backend, t.gpus) == "nccl" and (t.gpus == 0 or cuda_devices == 0) and not too_many:
             problems.append(
                 f"trainer.backend=nccl needs CUDA GPUs, but trainer.gpus={t.gpus} and {cuda_devices} CUDA "
                 f"device(s) are visible: use trainer.backend=gloo (or auto) on CPU, or trainer.gpus=N on a GPU machine."
@@ -389,7 +400,7 @@ def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> Non
     check_targets(cfg, problems)
     _check_strategy(cfg, problems, targets_ok=len(problems) == before)
     _check_files(cfg, run_dir, problems)
-    check_tracker_logins(cfg, problems)
+    check_tracker_logins(cfg, problems, runs_here)
     if not problems:  # the parts are sound one by one: do they fit together?
         check_one_batch(cfg, problems)
     if problems:

@@ -1,0 +1,259 @@
+"""The catalogue of a new user's mistakes (issue 47): one row per mistake, one command each, and what the launcher
+must do with it: refuse it before any process starts (exit 2, no backend asked to start, no traceback, nothing left
+where the launch made a directory), with a message that names the key and says what to do. A regression in any
+message or any check shows as its row.
+
+The rows run in one process (tests/conformance/mistakes.py runs the command line in-process, row after row, with
+every backend's start replaced by a recorder), inside a small project of the user's own: their model, data sets and
+experiment files, and a directory of their own files. A row is the command's words and the phrases its error must
+hold; a new mistake is a new row.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST
+
+DRIVER = Path(__file__).resolve().parent / "mistakes.py"
+
+# The user's project: a model with an annotated argument, models whose output has the wrong shape, data sets that are
+# empty or wrong in one way each, an experiment of their own, and a directory of their own files.
+SHAPES = '''
+from torch import nn
+
+
+class OnePerSample(nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.layer = nn.Linear(256, width)
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.out(self.layer(x.flatten(1))).squeeze(1)
+
+
+class ExtraDimension(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(256, 20)
+
+    def forward(self, x):
+        return self.layer(x.flatten(1)).view(-1, 10, 2)
+'''
+VECTORS = '''
+import torch
+from torch.utils.data import Dataset
+
+
+class Vectors(Dataset):
+    """`n` samples of 8 features labelled 0..classes-1 (+ offset); ragged: sample i has i % 5 + 4 features."""
+
+    def __init__(self, n: int = 64, classes: int = 3, offset: int = 0, ragged: bool = False, dtype: str = "float32",
+                 path: str = "", as_dict: bool = False):
+        if path:
+            open(path).close()  # a file the data set reads: missing, as a user's path may be
+        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n)).to(getattr(torch, dtype))
+        self.y = torch.arange(n) % classes + offset
+        self.ragged, self.as_dict = ragged, as_dict
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        x = self.x[i, : i % 5 + 4] if self.ragged else self.x[i]
+        return {"features": x, "label": self.y[i]} if self.as_dict else (x, self.y[i])
+
+
+class Empty(Dataset):
+    def __len__(self):
+        return 0
+
+    def __getitem__(self, i):
+        raise IndexError(i)
+'''
+FILES = {
+    "shapes.py": SHAPES,
+    "vectors.py": VECTORS,
+    "conf/experiment/vectors.yaml": """# @package _global_
+defaults:
+  - override /model: null
+  - override /data: vectors
+name: vectors
+model: {_target_: torch.nn.Linear, in_features: 8, out_features: 3}
+trainer: {procs_per_node: 2, max_steps: 2}
+""",
+    "conf/data/vectors.yaml": """name: vectors
+batch_size: 8
+train: {_target_: vectors.Vectors, n: 64}
+eval: {_target_: vectors.Vectors, n: 16}
+""",
+    "conf/data/empty.yaml": "# @package data\ntrain: {_target_: vectors.Empty}\neval: {_target_: vectors.Vectors, n: 10}\n",
+    "conf/experiment/mine.yaml": "# @package _global_\nname: mine\n",
+    "my_results/config.yaml": "my: own results\n",
+    "my_results/metrics.jsonl": '{"mine": 1}\n',
+    "a-file": "not a directory\n",
+}
+VECTOR_RUN = ["--config-dir", "conf", "+experiment=vectors"]
+
+# (id, the command's words after `python -m launcher`, phrases its error must hold; "!phrase": must not hold). Each row
+# runs with FAST before its words (so Hydra's options among them come after overrides, as users write them) and,
+# unless it names one, a run directory of its own under runs/.
+MISTAKES = [
+    # --- keys and values that are not the config's --------------------------------------------------------------
+    ("misspelt-key", ["trainer.stop_check_evry=5"],
+     ["trainer.stop_check_evry: trainer has no key 'stop_check_evry' (did you mean trainer.stop_check_s?); its keys "
+      "are: nodes, gpus,", "!To append to your config"]),
+    ("misspelt-model-argument", ["model.widht=5"],
+     ["model.widht: model has no key 'widht' (did you mean model.width?); its keys are: _target_, channels, "
+      "image_size, num_classes, width, dropout. If it is an argument your code takes", "!To append to your config"]),
+    ("misspelt-key-added-with-plus", ["+trainer.max_step=5"], ["trainer.max_step", "trainer.max_steps"]),
+    ("unknown-top-level-key", ["optimizer.lr=0.1"], ["optimizer"]),
+    ("int-key-given-a-word", ["trainer.max_steps=many"],
+     ["trainer.max_steps='many' is not an integer: give an integer (its default: trainer.max_steps=-1)."]),
+    ("bool-key-given-a-word", ["trainer.compile=maybe"],
+     ["trainer.compile='maybe' is not true or false: give true or false (its default: trainer.compile=false)."]),
+    ("float-key-given-a-word", ["optim.lr=fast"], ["optim.lr='fast' is not a number: give a number"]),
+    ("unknown-experiment", ["+experiment=imagenet"],
+     ["no experiment 'imagenet' in the launcher's config", "The launcher's own: digits, gpt2_124m",
+      "put it in CONF/experiment/imagenet.yaml of your project and add --config-dir CONF"]),
+    ("experiment-without-plus", ["experiment=resnet18"], ["experiment", "+experiment=resnet18"]),
+    ("own-experiment-without-config-dir", ["+experiment=mine"],
+     ["conf/experiment/mine.yaml is here: add --config-dir conf so that Hydra looks there too"]),
+    ("unknown-model-group", ["model=transformer"], ["no model 'transformer' in the launcher's config", "resnet18"]),
+    ("unknown-launcher", ["launcher=kubernetes"], ["kubernetes", "local", "slurm", "ray"]),
+    ("unknown-logger", ["+logger=neptune"], ["neptune", "wandb", "mlflow"]),
+    ("tp-plan-without-plus", ["trainer.tp_plan={blocks.*.fc1:colwise}"],
+     ["write '+trainer.tp_plan={blocks.*.fc1: ...}' (quoted for the shell)"]),
+    # --- values the shell or Hydra's grammar take apart ------------------------------------------------------------
+    ("equals-sign-in-run-dir", ["hydra.run.dir=runs/a=b"],
+     ["hydra.run.dir: its value 'runs/a=b' holds '=', which Hydra's override grammar reads only inside quotes of its "
+      "own: write it as 'hydra.run.dir=\"runs/a=b\"'", "!LexerNoViableAltException", "!mismatched input"]),
+    ("semicolon-in-a-value", ["name=a;b"], ["name: its value 'a;b' holds ';'"]),
+    ("newline-in-a-value", ["name=first\nsecond"], ["holds '\\n'", "!LexerNoViableAltException"]),
+    ("dollar-parens-in-a-value", ["name=$(whoami)"], ["name: its value '$(whoami)'"]),
+    # --- numbers out of range ------------------------------------------------------------------------------------
+    ("zero-steps", ["trainer.max_steps=0"], ["trainer.max_steps=0", "-1 (the default) to train all trainer.epochs"]),
+    ("negative-steps", ["trainer.max_steps=-5"], ["trainer.max_steps=-5"]),
+    ("zero-epochs", ["trainer.epochs=0"], ["trainer.epochs=0"]),
+    ("nan-lr", ["optim.lr=nan"], ["optim.lr=nan must be a finite number, 0 or more"]),
+    ("negative-lr", ["optim.lr=-0.1"], ["optim.lr=-0.1"]),
+    ("zero-batch", ["data.batch_size=0"], ["data.batch_size=0"]),
+    ("zero-processes", ["trainer.procs_per_node=0"], ["trainer.procs_per_node=0"]),
+    ("zero-nodes", ["trainer.nodes=0"], ["trainer.nodes=0"]),
+    ("zero-accumulation", ["trainer.accumulate=0"], ["trainer.accumulate=0"]),
+    ("negative-workers", ["data.num_workers=-1"], ["data.num_workers=-1"]),
+    ("negative-restarts", ["launcher.max_restarts=-1"], ["launcher.max_restarts=-1"]),
+    ("zero-keep-last", ["checkpoint.keep_last=0"], ["checkpoint.keep_last=0"]),
+    ("profile-range-backwards", ["trainer.profile=[5,2]"], ["trainer.profile=[5, 2]"]),
+    # --- choices that are not one of the choices ---------------------------------------------------------------------
+    ("unknown-strategy", ["trainer.strategy=zero3"], ["trainer.strategy", "zero3", "ddp", "fsdp"]),
+    ("unknown-precision", ["trainer.precision=fp8"], ["trainer.precision", "fp8"]),
+    ("unknown-fault-tolerance", ["trainer.fault_tolerance=replica"], ["trainer.fault_tolerance", "replicas"]),
+    ("unknown-nonfinite-policy", ["trainer.nonfinite=ignore"], ["trainer.nonfinite", "ignore"]),
+    ("unknown-checkpoint-format", ["checkpoint.format=safetensors"], ["checkpoint.format", "safetensors"]),
+    # --- the machine and the world size ------------------------------------------------------------------------
+    ("more-gpus-than-present", ["trainer.gpus=4"],
+     ["the config has 1 problem(s)", "trainer.gpus=4, but this machine has 0 CUDA device(s)",
+      "use trainer.gpus=0 to train on CPU"]),
+    ("nccl-without-cuda", ["trainer.backend=nccl"], ["trainer.backend=nccl"]),
+    ("fp16-on-cpu", ["trainer.precision=fp16"], ["trainer.precision=fp16"]),
+    ("several-nodes-without-endpoint", ["trainer.nodes=2"], ["launcher.rdzv_endpoint"]),
+    ("tensor-parallel-larger-than-the-world", ["trainer.strategy=fsdp", "trainer.tp=4"], ["trainer.tp=4"]),
+    ("tensor-parallel-under-ddp", ["trainer.tp=2", "trainer.procs_per_node=2"], ["trainer.tp=2"]),
+    # --- the run directory -----------------------------------------------------------------------------------------
+    ("run-dir-over-the-users-files", ["hydra.run.dir=my_results"], ["my_results", "config.yaml"]),
+    ("run-dir-under-a-file", ["hydra.run.dir=a-file/run"], ["hydra.run.dir=", "a-file/run is not a writable directory"]),
+    # --- the data ------------------------------------------------------------------------------------------------
+    ("missing-data-set", ["+experiment=resnet18", "data.root=nothing-here"],
+     ["nothing-here/cifar-10-batches-py", "cifar-10-python.tar.gz"]),
+    ("empty-training-set", ["--config-dir", "conf", "data=empty"],
+     ["data.train (vectors.Empty) is empty: its __len__ is 0, so there is nothing to train on",
+      "!lower data.batch_size"]),
+    ("empty-evaluation-set", [*VECTOR_RUN, "data.eval.n=0"], ["data.eval (vectors.Vectors) holds no sample"]),
+    ("batch-larger-than-a-share", [*VECTOR_RUN, "data.batch_size=40"],
+     ["data.batch_size=40 x trainer.accumulate=1 is larger than one replica's share of the training set (32 of 64 "
+      "samples on 2 replicas)"]),
+    ("label-the-model-cannot-score", [*VECTOR_RUN, "+data.train.offset=1"],
+     ["data.train (vectors.Vectors) has label 3, but model._target_=torch.nn.Linear scores 3 classes (labels 0..2)"]),
+    ("samples-of-different-shapes", [*VECTOR_RUN, "+data.train.ragged=true"],
+     ["data.train (vectors.Vectors): its samples have different shapes", "data.collate_fn is not set"]),
+    ("data-file-missing", [*VECTOR_RUN, "+data.train.path=/nowhere/features.npy"],
+     ["data.train (vectors.Vectors) cannot be built: FileNotFoundError",
+      "data.train.path='/nowhere/features.npy' names it: give the path of a file that is there"]),
+    ("inputs-of-another-dtype", [*VECTOR_RUN, "+data.train.dtype=float64"],
+     ["The batch's dtypes do not fit what the model computes with: convert the inputs"]),
+    ("dict-batch-without-the-target-key", [*VECTOR_RUN, "+data.train.as_dict=true"],
+     ["looks for the targets of a dict batch under task.target_key='target' (or 'labels')",
+      "the batch has ['features', 'label']"]),
+    # --- the model -----------------------------------------------------------------------------------------------
+    ("one-score-per-sample", ["~model", "+model._target_=shapes.OnePerSample"],
+     ["returns scores of shape [64] for labels of shape [64]: task=classification needs one score per class and "
+      "sample, [64, C]", "!.float()"]),
+    ("an-extra-output-dimension", ["~model", "+model._target_=shapes.ExtraDimension"],
+     ["returns scores of shape [64, 10, 2] for labels of shape [64]", "Its extra dimensions ([10]) are not the labels'",
+      "!scores 2 classes"]),
+    ("a-word-for-an-int-argument", ["~model", "+model._target_=shapes.OnePerSample", "+model.width=wide"],
+     ["model.width='wide': shapes.OnePerSample takes width: int (default 8), not a str: give an int."]),
+    ("a-word-for-the-builtin-models-int", ["model.width=wide"], ["train.models.vision.cnn takes width: int (default 32)"]),
+    ("a-model-that-does-not-exist", ["~model", "+model._target_=shapes.Nothing"], ["model._target_", "shapes.Nothing"]),
+    ("a-module-that-does-not-exist", ["~model", "+model._target_=nomodule.Net"], ["model._target_", "nomodule"]),
+    ("an-argument-the-model-does-not-take", ["+model.depth=3"], ["model.depth", "depth"]),
+    ("init-from-a-file-that-is-not-there", ["checkpoint.init_from=missing.pt"], ["checkpoint.init_from", "missing.pt"]),
+    ("init-from-a-file-that-is-not-a-checkpoint", ["checkpoint.init_from=a-file"], ["checkpoint.init_from", "a-file"]),
+    # --- the optimizer -------------------------------------------------------------------------------------------
+    ("optimizer-called-too-early", ["~optim.optimizer._partial_"],
+     ["optim.optimizer._target_=torch.optim.SGD is called by the trainer later", "add `_partial_: true`"]),
+    ("collate-called-too-early", ["+data.collate_fn={_target_: torch.utils.data.default_collate}"],
+     ["data.collate_fn._target_=torch.utils.data.default_collate is called by the trainer later"]),
+    # --- trackers ------------------------------------------------------------------------------------------------
+    ("mlflow-at-an-address-nobody-serves", ["+logger=mlflow", "loggers.mlflow.tracking_uri=http://127.0.0.9:5999"],
+     ["loggers.mlflow.tracking_uri=http://127.0.0.9:5999: no MLflow server answers at 127.0.0.9:5999",
+      "or log to a local store with loggers.mlflow.tracking_uri=sqlite:///"]),
+]
+
+
+@pytest.fixture(scope="module")
+def catalogue(tmp_path_factory):
+    """Every row run once in one process, in the project: {id: result}."""
+    project = tmp_path_factory.mktemp("project")
+    for name, text in FILES.items():
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(text)
+    rows = []
+    for name, args, _ in MISTAKES:
+        run_dir = [] if any(arg.startswith("hydra.run.dir=") for arg in args) else [f"hydra.run.dir=runs/{name}"]
+        rows.append({"id": name, "args": [*FAST, *args, *run_dir]})
+    (project / "rows.json").write_text(json.dumps(rows))
+    proc = subprocess.run([sys.executable, str(DRIVER), "rows.json", "results.json"], cwd=project, text=True,
+                          capture_output=True, timeout=600, env={**__import__("os").environ, "WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {result["id"]: result for result in json.loads((project / "results.json").read_text())}
+    return project, results
+
+
+@pytest.mark.parametrize("name,args,phrases", MISTAKES, ids=[row[0] for row in MISTAKES])
+def test_a_mistake_is_refused_before_start_with_the_key_and_the_fix(catalogue, name, args, phrases):
+    project, results = catalogue
+    result = results[name]
+    said = result["stderr"]
+    assert not result["started"], f"started: {' '.join(args)}\n{result['stdout'][-1500:]}"
+    assert result["code"] == 2, f"exit {result['code']}: {said[-2000:]}"
+    assert "Traceback" not in said, said[-3000:]
+    missing = [phrase for phrase in phrases if not phrase.startswith("!") and phrase not in said]
+    assert not missing, f"{missing} not in:\n{said}"
+    wrong = [phrase[1:] for phrase in phrases if phrase.startswith("!") and phrase[1:] in said]
+    assert not wrong, f"{wrong} in:\n{said}"
+    assert not (project / "runs" / name).exists(), "a refused launch left its directory behind"
+
+
+def test_the_users_own_files_are_as_they_were_after_every_row(catalogue):
+    project, _ = catalogue
+    for name, text in FILES.items():
+        assert (project / name).read_text() == text, f"{name} was changed"
+    assert sorted(p.name for p in (project / "my_results").iterdir()) == ["config.yaml", "metrics.jsonl"]
