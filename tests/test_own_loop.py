@@ -139,16 +139,6 @@ def test_a_script_that_ends_by_itself_gets_what_pythons_exit_gives_it_and_its_ex
             assert "exit code 3" in json.loads((here / "run" / "status.json").read_text())["error"]
 
 
-def test_a_missing_script_or_both_a_script_and_a_module_are_refused_before_start(tmp_path):
-    here = project(tmp_path)
-    missing = run_cli("launcher", "program=script", "program.script=nope.py", f"hydra.run.dir={here / 'r1'}", cwd=here)
-    assert missing.returncode == 2 and "program.script=nope.py: no such file" in missing.stderr
-    both = run_cli("launcher", "program=script", "program.script=my_loop.py", "program.module=my_loop",
-                   f"hydra.run.dir={here / 'r2'}", cwd=here)
-    assert both.returncode == 2 and "give program.script=my_loop.py or program.module=package.module" in both.stderr
-    assert not (here / "r1").exists() and not (here / "r2").exists()  # a refusal leaves nothing behind
-
-
 def test_a_sweep_over_the_scripts_arguments_summarises_what_it_reported_and_only_its_own_points(tmp_path):
     """-m over program.args: one point per argument list, the summary's `reported` column holds each point's last
     ddp_loop.report; an earlier sweep into the same folder (two points, both failed) is neither shown nor counted."""

@@ -65,7 +65,11 @@ def check_script(cfg: Config, problems: list[str]) -> None:
     """program=script: one script or one module, there to run; the world and backend keys are checked as for the
     trainer. Arguments are the script's own: passed as they are."""
     p = cfg.program
-    if bool(p.script) == bool(p.module):
+    if p.script and p.module:
+        problems.append(f"program.script={p.script} and program.module={p.module} are both given: program=script runs "
+                        f"one Python file or one module; keep one of them.")
+        return
+    if not p.script and not p.module:
         problems.append("program=script runs one Python file or one module: give program.script=my_loop.py or "
                         "program.module=package.module (one of them).")
         return

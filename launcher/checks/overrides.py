@@ -67,10 +67,15 @@ def explain_wrong_type(full_key: str, cause: ValidationError) -> str | None:
     from launcher.schema import Config
 
     default = OmegaConf.select(OmegaConf.structured(Config), full_key, default=None)
-    if default is None or isinstance(default, (dict, list)) or OmegaConf.is_config(default):
+    value = getattr(cause, "value", None)  # not every omegaconf sets it: the message quotes it
+    if OmegaConf.is_list(default) or isinstance(default, list):
+        shown = f"={value!r}" if isinstance(value, str) else ""
+        return (f"{full_key}{shown} is not a list: give one in brackets, each item after a comma, e.g. "
+                f"'{full_key}=[--epochs,3]' (quoted for the shell; an item with spaces or '=' in quotes of its own: "
+                f"'{full_key}=[\"--name=a b\"]').")
+    if default is None or isinstance(default, dict) or OmegaConf.is_config(default):
         return None
     kind = {bool: "true or false", int: "an integer", float: "a number"}.get(type(default), type(default).__name__)
-    value = getattr(cause, "value", None)  # not every omegaconf sets it: the message quotes it
     shown = repr(value) if value is not None else str(cause).split("'")[1] if "'" in str(cause) else "the value"
     return (f"{full_key}={shown} is not {kind}: give {kind} (its default: {full_key}="
             f"{str(default).lower() if isinstance(default, bool) else default}).")
