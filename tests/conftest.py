@@ -146,6 +146,17 @@ def launch(tmp_path):
     return _launch
 
 
+def run_commands(cwd: Path, rows: list[dict], *options: str, env: dict | None = None) -> dict[str, dict]:
+    """`python -m launcher ARGS` of every row ({"id", "args"}), run in one process in `cwd` with every backend's start
+    recorded, not run (tests/conformance/commands.py): {id: {"code", "stdout", "stderr", "started", "seconds"}}."""
+    (cwd / "rows.json").write_text(json.dumps(rows))
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "conformance" / "commands.py"), "rows.json",
+                           "results.json", *options], cwd=cwd, text=True, capture_output=True, timeout=900,
+                          env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {result["id"]: result for result in json.loads((cwd / "results.json").read_text())}
+
+
 def compose(*overrides: str):
     """Compose the config in-process exactly as the CLI does (same schema, same resolver), without running."""
     from hydra import compose as hydra_compose

@@ -104,3 +104,17 @@ def test_the_forecast_counts_the_gradient_of_the_models_output():
     assert output_gradient(logits, mixed=True) == 2 * 8 * 1024 * 50304 * 4  # 3.07 GiB: 5.18 + 3.07 = 8.25 GiB
     assert output_gradient(logits, mixed=False) == 8 * 1024 * 50304 * 4
     assert output_gradient(torch.empty(8, 1024, dtype=torch.long, device="meta"), mixed=True) == 0  # ids: no gradient
+
+
+def test_a_dry_run_plans_a_built_in_data_set_whose_files_are_not_here_and_the_run_still_refuses_it(tmp_path):
+    """docs/launching.md: plan it on your laptop. The CIFAR files are the cluster's: the dry run plans with a stand-in
+    of CIFAR-10's shape and size (before: refused for the missing files); the launch itself refuses them."""
+    words = ["+experiment=resnet18", "trainer.gpus=4", f"data.root={tmp_path / 'no-data'}", "launcher.gpu_memory_gb=80"]
+    planned = run_cli("launcher", *words, "launcher.dry_run=true", f"hydra.run.dir={tmp_path / 'plan'}", cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert "planned with a stand-in of the same shape and size, 50,000 samples of 3x32x32, 10 classes" in planned.stderr
+    assert "each of 4 data replicas reads 12500 samples per epoch" in planned.stdout
+    assert "forecast  rank 3 of 4 (ddp, 4 dp_replicate; 11.2M parameters)" in planned.stdout
+    refused = run_cli("launcher", *FAST, *words, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert refused.returncode == 2 and "data.name=cifar10: no data set at data.root=" in refused.stderr
+    assert not (tmp_path / "run").exists()

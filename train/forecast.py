@@ -40,6 +40,7 @@ from train.config import TrainConfig, load_config  # noqa: E402
 from train.dist import DistEnv  # noqa: E402
 from train.parallel.layout import layout_of  # noqa: E402
 from train.data.sets import build_dataset  # noqa: E402
+from train.data.stand_in import build_or_stand_in  # noqa: E402
 from train.parallel.strategy import local_bytes  # noqa: E402
 from train.optim import make_plan, replica_rank, replicas, train_size  # noqa: E402
 from train.step import SavedActivations, model_call  # noqa: E402
@@ -173,7 +174,7 @@ def output_gradient(output, mixed: bool) -> int:
     return scores.numel() * 4 * (2 if mixed else 1)
 
 
-def forecast(cfg: TrainConfig, rank: int, world: int) -> dict:
+def forecast(cfg: TrainConfig, rank: int, world: int, stand_in: bool = False) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from train.parallel.sharded import shard_units
@@ -183,7 +184,8 @@ def forecast(cfg: TrainConfig, rank: int, world: int) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         env = DistEnv(rank=rank, local_rank=rank % per_node, world_size=world, local_world_size=per_node)
-        dataset = build_dataset(cfg.data.train, replica_rank(cfg, env), replicas(cfg, world))
+        build = build_or_stand_in if stand_in else build_dataset  # a dry run plans without the data's files
+        dataset = build(cfg.data.train, replica_rank(cfg, env), replicas(cfg, world))
         plan = make_plan(cfg, world, train_size(dataset, cfg))
         with torch.device("meta"):
             model = build_model(cfg)
@@ -235,11 +237,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("config", type=Path)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--stand-in", action="store_true",
+                        help="plan with a stand-in of a built-in data set whose files are missing (train/data/stand_in.py)")
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
     add_import_path(cfg)
     torch.set_num_threads(1)
-    print(json.dumps(forecast(cfg, args.rank, args.world)))
+    print(json.dumps(forecast(cfg, args.rank, args.world, args.stand_in)))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ class ForecastFailed(RuntimeError):
 
 def rank_forecast(snapshot: Path, world: int, rank: int) -> dict:
     proc = subprocess.run([sys.executable, "-P", "-m", "train.forecast", str(snapshot), "--world", str(world),
-                           "--rank", str(rank)], capture_output=True, text=True, timeout=600)
+                           "--rank", str(rank), "--stand-in"], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise ForecastFailed(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit code {proc.returncode}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

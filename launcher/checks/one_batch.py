@@ -155,10 +155,11 @@ def built(cfg: Config, key: str, problems: list[str]):
     """data.<key> built as the workers will build it; a failure (a missing file, a bad argument value) is a problem
     naming the key, with the data set's own message (its path kept)."""
     from train.data.sets import build_dataset
+    from train.data.stand_in import build_or_stand_in
 
     node = getattr(cfg.data, key)
     try:
-        return build_dataset(node)
+        return (build_or_stand_in if cfg.launcher.dry_run else build_dataset)(node)  # a dry run plans without files
     except Exception as error:  # noqa: BLE001 (the user's data code: any failure is reported with its type)
         cause = error.__cause__ or error  # Hydra's instantiate wraps it
         message = " ".join(str(cause).split())

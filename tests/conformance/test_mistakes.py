@@ -3,7 +3,7 @@ must do with it: refuse it before any process starts (exit 2, no backend asked t
 where the launch made a directory), with a message that names the key and says what to do. A regression in any
 message or any check shows as its row.
 
-The rows run in one process (tests/conformance/mistakes.py runs the command line in-process, row after row, with
+The rows run in one process (tests/conformance/commands.py runs the command line in-process, row after row, with
 every backend's start replaced by a recorder), inside a small project of the user's own: their model, data sets and
 experiment files, and a directory of their own files. A row is the command's words and the phrases its error must
 hold; a new mistake is a new row.
@@ -11,16 +11,9 @@ hold; a new mistake is a new row.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from conftest import FAST
-
-DRIVER = Path(__file__).resolve().parent / "mistakes.py"
+from conftest import FAST, run_commands
 
 # The user's project: a model with an annotated argument, models whose output has the wrong shape, data sets that are
 # empty or wrong in one way each, an experiment of their own, and a directory of their own files.
@@ -247,11 +240,7 @@ def catalogue(tmp_path_factory):
     for name, args, _ in MISTAKES:
         run_dir = [] if any(arg.startswith("hydra.run.dir=") for arg in args) else [f"hydra.run.dir=runs/{name}"]
         rows.append({"id": name, "args": [*FAST, *args, *run_dir]})
-    (project / "rows.json").write_text(json.dumps(rows))
-    proc = subprocess.run([sys.executable, str(DRIVER), "rows.json", "results.json"], cwd=project, text=True,
-                          capture_output=True, timeout=600, env={**__import__("os").environ, "WANDB_MODE": "offline"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = {result["id"]: result for result in json.loads((project / "results.json").read_text())}
+    results = run_commands(project, rows, env={"WANDB_MODE": "offline"})
     return project, results
 
 

@@ -1,11 +1,13 @@
 """Run the launcher's command line in this process once per row of a JSON list, recording what each did: its exit
 code, its output, and whether any backend was asked to start (it is told not to: a start is recorded, nothing runs).
-One process for the whole catalogue (tests/conformance/test_mistakes.py): a row costs its composition and checks,
-not a Python and torch start each.
+One process for a whole table of commands (the catalogue of mistakes, tests/conformance/test_mistakes.py; the docs'
+commands, tests/test_docs.py): a row costs its composition and checks, not a Python and torch start each.
 
-    python mistakes.py ROWS.json RESULTS.json      (in the project directory the rows are written for)
+    python commands.py ROWS.json RESULTS.json [--no-forecast]   (in the project directory the rows are written for)
 
-A row: {"id": ..., "args": [...]}; a result: {"id", "code", "stdout", "stderr", "started"}.
+--no-forecast: a dry run prints no memory forecast (two rank processes each, ~4 s; tests/test_forecast.py tests them).
+
+A row: {"id": ..., "args": [...]}; a result: {"id", "code", "stdout", "stderr", "started", "seconds"}.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import io
 import json
 import os
 import sys
+import time
 import traceback
 
 
-def main(rows_file: str, results_file: str) -> None:
+def main(rows_file: str, results_file: str, *options: str) -> None:
     sys.path[0] = os.getcwd()  # as under `python -m launcher`: the project's modules, not this file's folder
     from hydra.core.global_hydra import GlobalHydra
 
@@ -34,12 +37,15 @@ def main(rows_file: str, results_file: str) -> None:
         return backend
 
     launcher.main.get_backend = recording
+    if "--no-forecast" in options:
+        launcher.main.dry_run_forecast = lambda cfg, snapshot: (["forecast  not made (--no-forecast)"], None)
     results = []
     for row in json.loads(open(rows_file).read()):
         GlobalHydra.instance().clear()
         started.clear()
         out, err = io.StringIO(), io.StringIO()
         sys.argv = ["launcher", *row["args"]]
+        began = time.perf_counter()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 compose_and_launch()
@@ -50,7 +56,7 @@ def main(rows_file: str, results_file: str) -> None:
                 traceback.print_exc()
                 code = "traceback"
         results.append({"id": row["id"], "code": code, "stdout": out.getvalue(), "stderr": err.getvalue(),
-                        "started": bool(started)})
+                        "started": bool(started), "seconds": round(time.perf_counter() - began, 2)})
     with open(results_file, "w") as f:
         json.dump(results, f)
 
