@@ -178,6 +178,11 @@ def test_a_group_0_that_never_returns_leaves_the_other_to_finish_and_to_write_th
     commits = [c.commit for c in committed(run_dir / "checkpoints")]
     assert commits == sorted(commits) and len(set(commits)) == len(commits)  # group 1's numbered after group 0's
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+    # The record goes on with the run: metrics.jsonl's step lines were group 0's alone and stopped at its failure.
+    logged = [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"]
+    assert logged == sorted(set(logged)) and logged[-1] == 24, logged  # each log step once, to the end
+    assert [r["participants"] for r in read_metrics(run_dir) if r["kind"] == "train"][-1] == 1
+    assert "step 24/24 " in proc.stdout, proc.stdout[-1500:]  # the console line too, from the live group
 
 
 def test_three_groups_check_their_weights_identical_exactly(tmp_path, launch):

@@ -59,6 +59,9 @@ class Alone:
     def writes(self) -> bool:
         return True
 
+    def writes_records(self) -> bool:
+        return True
+
     def identical(self, model: torch.nn.Module) -> bool | None:
         return None
 
@@ -87,7 +90,7 @@ class ReplicaGroups:
             timeout=timedelta(seconds=timeout_s),
             quorum_timeout=timedelta(seconds=timeout_s),
         )
-        self._load, self._healed = load_state_dict, False
+        self._load, self._healed, self._joined = load_state_dict, False, False
         self._fewest: int | None = None  # the fewest groups in a step since the last log
         # Every group joins before the first quorum: a group still starting would be left out of it, and the first
         # one to start would train alone and heal the others (or finish before they start).
@@ -110,6 +113,7 @@ class ReplicaGroups:
         """The quorum of this step; True if this group healed from a live one (its state replaced: the step moved)."""
         self._healed = False
         self.manager.start_quorum()
+        self._joined = True
         return self._healed
 
     def average_gradients(self, parameters, bad: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
@@ -147,6 +151,12 @@ class ReplicaGroups:
         answer in every group. Group 0 while it takes part; while it is down (or gone for good), the first live one:
         a run whose group 0 never came back finished with no checkpoint after its failure."""
         return self.manager.participating_rank() == 0
+
+    def writes_records(self) -> bool:
+        """Whether this group's rank 0 writes the run's records now (metrics.jsonl's lines, the console's): the group
+        that writes the checkpoints, so that a run whose group 0 is down or gone keeps its record; before the first
+        quorum (the plan, a resume), group 0."""
+        return self.writes() if self._joined else self.group == 0
 
     def identical(self, model: torch.nn.Module) -> bool:
         """Whether the groups taking part hold the same weights: each parameter's sum, its largest and smallest over

@@ -23,7 +23,7 @@ from train.evaluate import evaluate
 from train.fault_tolerance import Alone, ReplicaGroups, replica_group
 from train.observe.console import build_console, run_summary
 from train.observe.memory import log_memory
-from train.observe.metrics import build_metrics
+from train.observe.metrics import WhileWriting, build_metrics
 from train.observe.plan import describe_plan, tracked_run
 from train.observe.profile import build_profiler
 from train.observe.startup import report_startup
@@ -113,7 +113,11 @@ def fit(run: Run) -> Outcome:
     cfg, plan, progress, env, watchdog = run.cfg, run.plan, run.progress, run.env, run.watchdog
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     console = build_console(env, cfg.trainer.progress, plan.stop_step, progress.step)
-    metrics = build_metrics(env, cfg.loggers, tracked_run(cfg, run.run_dir, progress.step, plan))
+    grouped = isinstance(run.replicas, ReplicaGroups)
+    metrics = build_metrics(env, cfg.loggers, tracked_run(cfg, run.run_dir, progress.step, plan),
+                            group_restart=grouped and restarts > 0)
+    if grouped:  # each group's rank 0 holds them; the group that writes the checkpoints writes the record
+        console, metrics = WhileWriting(console, run.replicas.writes_records), WhileWriting(metrics, run.replicas.writes_records)
     hosts = distributed.gather_to_main(socket.gethostname(), run.control)  # where each rank runs, for the record
     if env.writes:
         record = {**plan.to_dict(), "hosts": hosts, "threads_per_process": torch.get_num_threads(),
@@ -212,6 +216,8 @@ def fit(run: Run) -> Outcome:
         sys.stdout.flush()
     # The run's end is said by the process that wrote its last checkpoint (with replica groups: the first live group)
     says_end = env.rank == 0 and run.replicas.writes()
+    if grouped:
+        console.settle(), metrics.settle()
     run.replicas.close()
     run.ckpt.close()  # a save still in flight is finished (and committed) before the run reports its end
     stop.close()

@@ -157,7 +157,9 @@ PROGRESS_MODES = ("auto", "bar", "lines", "off")
 
 
 def build_console(env: DistEnv, mode: str, total_steps: int, start_step: int):
-    if not env.writes or mode == "off":
+    """Rank 0's console (under replica groups, every group's rank 0, each printing while its group writes the run's
+    records: train/observe/metrics.py WhileWriting)."""
+    if not env.is_main or mode == "off":
         return NullConsole()
     if mode == "bar" or (mode == "auto" and sys.stdout.isatty()):
         return BarConsole(total_steps, start_step)

@@ -1,5 +1,6 @@
 """Rank 0's metrics: one JSON object per line in metrics.jsonl (every value), and the same curves and notes in
-every configured tracker (TensorBoard by default; W&B, MLflow: train/observe/trackers.py).
+every configured tracker (TensorBoard by default; W&B, MLflow: train/observe/trackers.py). Under replica groups the
+lines are written by the group that writes the checkpoints at that step, the trackers by group 0.
 
 Other ranks get a NullMetrics that accepts the same calls and writes nothing, so the loop never asks its rank.
 On resume from step S, everything logged after S by the interrupted run is dropped from metrics.jsonl (and from
@@ -35,12 +36,12 @@ def curves(kind: str, values: dict[str, float]) -> dict[str, float]:
 
 
 class Metrics:
-    def __init__(self, run_dir: Path, start_step: int, trackers: list):
+    def __init__(self, run_dir: Path, start_step: int, trackers: list, cut_back: bool = True):
         self.path = run_dir / METRICS_FILE
-        _truncate_jsonl(self.path, start_step)
+        if cut_back:
+            _truncate_jsonl(self.path, start_step)
         self.trackers = trackers
         self._catch_up(start_step)
-        self.file = open(self.path, "a", buffering=1)
 
     def _catch_up(self, start_step: int) -> None:
         """A tracker that holds less than the run's records up to the resumed step (it lost what a crash did not
@@ -54,7 +55,10 @@ class Metrics:
                     tracker.scalars(drawn, record["step"])
 
     def log(self, kind: str, step: int, values: dict[str, float]) -> None:
-        self.file.write(json.dumps({"kind": kind, "step": step, "time": time.time(), **values}) + "\n")
+        # Opened for each record (a few per log interval): under replica groups another group's rank 0 may have
+        # replaced the file (its start cuts it back) since this one last wrote; one write() of one line appends whole.
+        with open(self.path, "a") as file:
+            file.write(json.dumps({"kind": kind, "step": step, "time": time.time(), **values}) + "\n")
         drawn = curves(kind, values)
         for tracker in self.trackers:
             if drawn and step > tracker.holds_through:  # what the tracker holds from an interrupted attempt stays
@@ -68,7 +72,6 @@ class Metrics:
     def close(self) -> None:
         for tracker in self.trackers:
             tracker.close()
-        self.file.close()
 
 
 class NullMetrics:
@@ -82,15 +85,47 @@ class NullMetrics:
         pass
 
 
-def build_metrics(env: DistEnv, loggers: dict, run: TrackedRun) -> Metrics | NullMetrics:
-    """Rank 0's metrics.jsonl and trackers (config `loggers`: name -> node with a _target_, built with run=)."""
-    if not env.writes:
+def build_metrics(env: DistEnv, loggers: dict, run: TrackedRun, group_restart: bool = False) -> Metrics | NullMetrics:
+    """Rank 0's metrics.jsonl and trackers (config `loggers`: name -> node with a _target_, built with run=).
+
+    Under replica groups rank 0 of every group appends to metrics.jsonl (one group at a time: `WhileWriting`);
+    the trackers are group 0's (a tracker's run takes one writer), and only the run's start cuts the records back to
+    the resumed step: a group restarted alone (`group_restart`) heals to where the others are, and what they wrote
+    meanwhile stays."""
+    if not env.is_main:
         return NullMetrics()
     from train.build import instantiate
 
     # Partial, then called: Hydra would turn the TrackedRun passed through instantiate into a dict.
-    trackers = [instantiate(node, _partial_=True)(run=run) for _, node in sorted(loggers.items()) if node is not None]
-    return Metrics(run.run_dir, run.start_step, trackers)
+    trackers = [instantiate(node, _partial_=True)(run=run) for _, node in sorted(loggers.items())
+                if node is not None] if env.writes else []
+    return Metrics(run.run_dir, run.start_step, trackers, cut_back=env.writes and not group_restart)
+
+
+class WhileWriting:
+    """Rank 0's metrics or console of a replica group: each call passed on only while `writes()` says this group
+    writes the run's records (train/fault_tolerance.py `writes_records`); after `settle`, its answer stays."""
+
+    def __init__(self, target, writes):
+        self.target, self.writes, self.settled = target, writes, None
+
+    def settle(self) -> bool:
+        """The answer from here on (the groups part after the last step: the quorum is asked no more)."""
+        self.settled = self.writes()
+        return self.settled
+
+    def close(self) -> None:
+        self.target.close()
+
+    def __getattr__(self, name: str):
+        call = getattr(self.target, name)
+
+        def passed_on(*args, **kwargs):
+            if self.settled if self.settled is not None else self.writes():
+                return call(*args, **kwargs)
+            return None
+
+        return passed_on
 
 
 def read_records(run_dir: Path) -> list[dict]:
