@@ -6,7 +6,7 @@ torchrun, where these answer as torchrun's world does (no run directory: ./check
     ckpt = ddp_loop.checkpoint_dir() / "last.pt"           # in the run directory the launcher holds
     for step in range(start, steps):
         ...
-        ddp_loop.report(step, loss=loss.item())           # metrics.jsonl, the console line
+        ddp_loop.report(step, loss=loss.item())           # metrics.jsonl, the trackers, the console line
         if ddp_loop.should_stop():                         # SIGTERM, Ctrl-C, SLURM's warning: every rank agrees
             save(ckpt); break                              # exit 0: the launcher marks the run stopped
 """
@@ -85,15 +85,51 @@ def should_stop() -> bool:
 
 
 def report(step: int, **metrics: float) -> None:
-    """Rank 0: a line of metrics.jsonl in the run directory (kind "train") and a console line; other ranks: nothing."""
+    """Rank 0: a line of metrics.jsonl in the run directory (kind "train"), drawn into the run's trackers
+    (TensorBoard in RUN_DIR/tb by default; W&B, MLflow: `loggers:`) as train/<name>, and a console line; other
+    ranks: nothing."""
     if rank() != 0:
         return
     values = {k: float(v) for k, v in metrics.items()}
     print(f"step {step}  " + "  ".join(f"{k} {v:.4g}" for k, v in values.items()), flush=True)
     folder = run_dir()
     if folder is not None:
+        _follow(folder)
         with open(folder / "metrics.jsonl", "a") as out:
             out.write(json.dumps({"kind": "train", "step": step, "time": time.time(), **values}) + "\n")
+
+
+TRACKERS_ENV = "LAUNCHER_TRACKERS"  # "1" where the run's config has trackers (launcher/backends/script.py)
+_follower = None
+
+
+def _follow(folder: Path) -> None:
+    """At the first report: the trackers follow metrics.jsonl from a process of their own (train/observe/follow.py,
+    started with -P: this script's folder, first on its path, never shadows the launcher's modules there), which
+    this rank's exit waits for (it draws what is left, then closes them)."""
+    global _follower
+    if _follower is not None or os.environ.get(TRACKERS_ENV) != "1":
+        return
+    import atexit
+    import subprocess
+
+    path = folder / "metrics.jsonl"
+    offset = path.stat().st_size if path.exists() else 0
+    # Its end is this pipe's: closed at this rank's exit, or by the kernel when the rank is killed. A session of its
+    # own: a Ctrl-C to the terminal's process group, the agent's kill of the rank's group, are not its end.
+    _follower = subprocess.Popen([sys.executable, "-P", "-m", "train.observe.follow", str(folder), str(offset)],
+                                 stdin=subprocess.PIPE, start_new_session=True)
+    atexit.register(_stop_following)
+
+
+def _stop_following() -> None:
+    import subprocess
+
+    _follower.stdin.close()  # its last look at the file, then the trackers close
+    try:
+        _follower.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        _follower.kill()
 
 
 HANG_ENV = "LAUNCHER_HANG_TIMEOUT_S"  # trainer.hang_timeout_s, set by the launcher; 0 or unset: no watch

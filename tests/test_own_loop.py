@@ -11,6 +11,7 @@ import shutil
 import signal
 
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import REPO, run_cli, signalled_launch
 
@@ -65,6 +66,17 @@ def test_a_script_using_the_api_stops_on_sigterm_with_its_checkpoint_and_resumes
     resumed = run_cli("launcher", *run[:2], "program.args=[--steps,40]", *run[3:], f"hydra.run.dir={run_dir}", cwd=here)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed at step {saved['step']}" in resumed.stdout
+    # What the script reported is in the run's trackers too (TensorBoard by default), each step once, as
+    # metrics.jsonl has it (the resumed launch's repeats of a step drawn once); before, only metrics.jsonl held it.
+    reported: dict[int, float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        reported.setdefault(record["step"], record["loss"])
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    drawn = {event.step: event.value for event in events.Scalars("train/loss")}
+    assert sorted(drawn) == sorted(reported) and max(drawn) == 40, (sorted(drawn), sorted(reported))
+    assert all(abs(drawn[step] - reported[step]) <= 1e-6 * max(1.0, abs(reported[step])) for step in drawn)
 
 
 HANGS = """

@@ -5,7 +5,8 @@ run it (through ddp_loop's runner, which records a failure's traceback for the r
 TORCHELASTIC_RESTART_COUNT) and these of the launcher's (read by ddp_loop.py, or by the script itself):
 
 - LAUNCHER_RUN_DIR: the run directory (the launcher holds it: one writer); checkpoints go in RUN_DIR/checkpoints;
-- LAUNCHER_DEVICE: the ranks' device: cuda (meaning cuda:LOCAL_RANK) with trainer.gpus, else cpu.
+- LAUNCHER_DEVICE: the ranks' device: cuda (meaning cuda:LOCAL_RANK) with trainer.gpus, else cpu;
+- LAUNCHER_TRACKERS: 1 where the config has trackers (`loggers:`), which ddp_loop.report() then feeds.
 
 What the launcher gives it without its cooperation: the run directory's lease, the resolved config in it,
 status.json (running, then finished, failed with the first failing rank's error, or stopped), restarts
@@ -27,6 +28,7 @@ PROGRAMS = ("trainer", "script")  # program.name: conf/program/
 RUN_DIR_ENV = "LAUNCHER_RUN_DIR"
 DEVICE_ENV = "LAUNCHER_DEVICE"
 HANG_ENV = "LAUNCHER_HANG_TIMEOUT_S"  # ddp_loop's hang watch (the same name there: it imports nothing of ours)
+TRACKERS_ENV = "LAUNCHER_TRACKERS"  # ddp_loop's report() feeds the trackers (train/observe/follow.py) where "1"
 
 
 def user_command(cfg: Config) -> list[str]:
@@ -58,7 +60,8 @@ def script_summary(cfg: Config, run_dir: Path) -> str:
 def script_env(cfg: Config, run_dir: Path) -> dict[str, str]:
     """The launcher's variables for every rank of a script (LAUNCHER_DEVICE: cuda means cuda:LOCAL_RANK)."""
     return {RUN_DIR_ENV: str(run_dir), DEVICE_ENV: "cuda" if cfg.trainer.gpus else "cpu",
-            HANG_ENV: str(cfg.trainer.hang_timeout_s)}
+            HANG_ENV: str(cfg.trainer.hang_timeout_s),
+            TRACKERS_ENV: "1" if any(node is not None for node in (cfg.loggers or {}).values()) else "0"}
 
 
 def check_script(cfg: Config, problems: list[str]) -> None:

@@ -59,6 +59,10 @@ class Metrics:
         # replaced the file (its start cuts it back) since this one last wrote; one write() of one line appends whole.
         with open(self.path, "a") as file:
             file.write(json.dumps({"kind": kind, "step": step, "time": time.time(), **values}) + "\n")
+        self.draw(kind, step, values)
+
+    def draw(self, kind: str, step: int, values: dict[str, float]) -> None:
+        """A record's curves into every tracker that does not hold its step yet."""
         drawn = curves(kind, values)
         for tracker in self.trackers:
             if drawn and step > tracker.holds_through:  # what the tracker holds from an interrupted attempt stays
