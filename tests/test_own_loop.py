@@ -20,7 +20,7 @@ OWN = REPO / "tests" / "foreign" / "own_loop"
 
 def project(tmp_path):
     """The user's project: their script beside their own train.py and launcher.py (which must not be run)."""
-    for name in ("my_loop.py", "api_loop.py"):
+    for name in ("my_loop.py", "api_loop.py", "ft_loop.py"):
         shutil.copy(OWN / name, tmp_path / name)
     for name in ("train.py", "models.py"):
         (tmp_path / name).write_text("raise SystemExit('the project\\'s own module was imported')\n")
@@ -77,6 +77,23 @@ def test_a_script_using_the_api_stops_on_sigterm_with_its_checkpoint_and_resumes
     drawn = {event.step: event.value for event in events.Scalars("train/loss")}
     assert sorted(drawn) == sorted(reported) and max(drawn) == 40, (sorted(drawn), sorted(reported))
     assert all(abs(drawn[step] - reported[step]) <= 1e-6 * max(1.0, abs(reported[step])) for step in drawn)
+
+
+def test_a_script_using_torchft_itself_runs_as_replica_groups_and_a_killed_group_restarts_alone_and_heals(tmp_path):
+    """trainer.fault_tolerance=replicas under program=script (refused before): each group its own agent, the
+    Lighthouse at TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, and the group's store at MASTER_ADDR:MASTER_PORT as torchrun
+    gives it (the agent's: torchft's Manager only connects to one). Group 1's rank is killed at step 5: its group
+    alone restarts, heals from group 0 (torchft), and both end at step 20 with the same weights."""
+    here = project(tmp_path)
+    proc = run_cli("launcher", "program=script", "program.script=ft_loop.py", "program.args=[--die-at,5]",
+                   "trainer.fault_tolerance=replicas", "trainer.replica_groups=2", "trainer.procs_per_node=2",
+                   "launcher.max_restarts=1", f"hydra.run.dir={here / 'run'}", cwd=here, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "restarting the workers (restart 1 of 1); replica group 1 rejoins the others" in proc.stderr
+    done = sorted(line for line in proc.stdout.splitlines() if " done at step " in line)
+    assert [line.split(":")[0] for line in done] == ["group 0 done at step 20", "group 1 done at step 20"], proc.stdout
+    assert done[0].split(":")[1] == done[1].split(":")[1]  # the same weights
+    assert json.loads((here / "run" / "status.json").read_text())["status"] == "finished"
 
 
 HANGS = """

@@ -401,14 +401,16 @@ class HeldMasterPort:
 
 
 def run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_after_s: float = 0.0,
-              hang_dir: Path | None = None) -> None:
+              hang_dir: Path | None = None, agent_store: bool = False) -> None:
     """Run the worker group to completion; raise ChildFailedError when it fails for good. A worker stopped for
-    `frozen_after_s` (0: never) fails the group as a hang, said in `hang_dir`."""
+    `frozen_after_s` (0: never) fails the group as a hang, said in `hang_dir`. `agent_store`: the workers are
+    given the agent's rendezvous store as MASTER_ADDR:MASTER_PORT, as torchrun gives it (a script's own loop);
+    else rank 0 serves a fresh store per attempt (the trainer, train/dist.py)."""
     master_port, free_port = HeldMasterPort(), getattr(rendezvous_api, "get_free_port", None)
     if free_port is not None:  # where torch has it (where not, its own way of picking the port runs)
         rendezvous_api.get_free_port = master_port
     try:
-        _run_agent(config, entrypoint, args, frozen_after_s, hang_dir)
+        _run_agent(config, entrypoint, args, frozen_after_s, hang_dir, agent_store)
     finally:
         if free_port is not None:
             rendezvous_api.get_free_port = free_port
@@ -416,15 +418,15 @@ def run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_aft
 
 
 def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_after_s: float,
-               hang_dir: Path | None) -> None:
+               hang_dir: Path | None, agent_store: bool) -> None:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(Repeated())
     if extensions_supported():
         dynamic_rendezvous.get_method_name = caller_name
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = SIGNALS_TO_HANDLE
-    # Workers must not reuse the agent's rendezvous store: its keys outlive a restart, and the restarted ranks
-    # read their predecessors' addresses and hang in init (pytorch/pytorch#135712). Rank 0 hosts a fresh store
-    # per attempt instead, on a port the agent picks.
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # The trainer's workers must not reuse the agent's rendezvous store: its keys outlive a restart, and the
+    # restarted ranks read their predecessors' addresses and hang in init (pytorch/pytorch#135712). Rank 0 hosts
+    # a fresh store per attempt instead, on a port the agent picks. A script gets torchrun's default.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0" if agent_store else "1"
     parameters = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,

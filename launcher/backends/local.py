@@ -104,7 +104,10 @@ def launch_local(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfi
               "hang_dir": run_dir / "hang"}
     if cfg.program.name == "script":  # the user's own loop, from the launch directory, as torchrun runs it
         os.environ.update(script_env(cfg, run_dir))
-        run_agent(config or launch_config(cfg, run_dir), sys.executable, script_command(cfg), **frozen)
+        # As torchrun: the ranks' MASTER_ADDR:MASTER_PORT is the agent's store (TORCHELASTIC_USE_AGENT_STORE), which
+        # a script's init_process_group joins and torchft's Manager needs (it never serves one itself)
+        run_agent(config or launch_config(cfg, run_dir), sys.executable, script_command(cfg), **frozen,
+                  agent_store=True)
         return
     # -P: not the working directory first on the path (a user's train.py there is not our `train`); the user's
     # modules come from the snapshot's import_path, after ours.

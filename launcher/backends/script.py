@@ -90,6 +90,3 @@ def check_script(cfg: Config, problems: list[str]) -> None:
         if found is None:
             problems.append(f"program.module={p.module} cannot be imported from {Path.cwd()}: give a module that "
                             f"`python -m {p.module}` runs there.")
-    if cfg.trainer.fault_tolerance != "none":
-        problems.append(f"trainer.fault_tolerance={cfg.trainer.fault_tolerance} is the trainer's: under program=script "
-                        f"use torchft in your script itself, and leave the key out.")
