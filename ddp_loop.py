@@ -104,9 +104,10 @@ _follower = None
 
 
 def _follow(folder: Path) -> None:
-    """At the first report: the trackers follow metrics.jsonl from a process of their own (train/observe/follow.py,
-    started with -P: this script's folder, first on its path, never shadows the launcher's modules there), which
-    this rank's exit waits for (it draws what is left, then closes them)."""
+    """The trackers follow metrics.jsonl from a process of their own (train/observe/follow.py, started with -P: this
+    script's folder, first on its path, never shadows the launcher's modules there), which this rank's exit waits for
+    (it draws what is left, then closes them). Started when the script imports this module, so that its start (torch,
+    the trackers: ~3 s of CPU) runs beside the script's own, not at its end."""
     global _follower
     if _follower is not None or os.environ.get(TRACKERS_ENV) != "1":
         return
@@ -291,3 +292,5 @@ def _exit_after_the_script(code: int) -> None:
 
 if __name__ == "__main__":
     _run(sys.argv[1:])
+elif rank() == 0 and run_dir() is not None:  # imported by a script that reports (not the runner, which is __main__)
+    _follow(run_dir())
