@@ -12,8 +12,9 @@ hold; a new mistake is a new row.
 from __future__ import annotations
 
 import pytest
-
 from conftest import FAST, run_commands
+from user_project import FILES as USER_FILES
+from user_project import write_project
 
 # The user's project: a model with an annotated argument, models whose output has the wrong shape, data sets that are
 # empty or wrong in one way each, an experiment of their own, and a directory of their own files.
@@ -39,53 +40,9 @@ class ExtraDimension(nn.Module):
     def forward(self, x):
         return self.layer(x.flatten(1)).view(-1, 10, 2)
 '''
-VECTORS = '''
-import torch
-from torch.utils.data import Dataset
-
-
-class Vectors(Dataset):
-    """`n` samples of 8 features labelled 0..classes-1 (+ offset); ragged: sample i has i % 5 + 4 features."""
-
-    def __init__(self, n: int = 64, classes: int = 3, offset: int = 0, ragged: bool = False, dtype: str = "float32",
-                 path: str = "", as_dict: bool = False):
-        if path:
-            open(path).close()  # a file the data set reads: missing, as a user's path may be
-        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n)).to(getattr(torch, dtype))
-        self.y = torch.arange(n) % classes + offset
-        self.ragged, self.as_dict = ragged, as_dict
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        x = self.x[i, : i % 5 + 4] if self.ragged else self.x[i]
-        return {"features": x, "label": self.y[i]} if self.as_dict else (x, self.y[i])
-
-
-class Empty(Dataset):
-    def __len__(self):
-        return 0
-
-    def __getitem__(self, i):
-        raise IndexError(i)
-'''
 FILES = {
+    **USER_FILES,
     "shapes.py": SHAPES,
-    "vectors.py": VECTORS,
-    "conf/experiment/vectors.yaml": """# @package _global_
-defaults:
-  - override /model: null
-  - override /data: vectors
-name: vectors
-model: {_target_: torch.nn.Linear, in_features: 8, out_features: 3}
-trainer: {procs_per_node: 2, max_steps: 2}
-""",
-    "conf/data/vectors.yaml": """name: vectors
-batch_size: 8
-train: {_target_: vectors.Vectors, n: 64}
-eval: {_target_: vectors.Vectors, n: 16}
-""",
     "conf/data/empty.yaml": "# @package data\ntrain: {_target_: vectors.Empty}\neval: {_target_: vectors.Vectors, n: 10}\n",
     "conf/experiment/mine.yaml": "# @package _global_\nname: mine\n",
     "my_results/config.yaml": "my: own results\n",
@@ -233,9 +190,7 @@ MISTAKES = [
 def catalogue(tmp_path_factory):
     """Every row run once in one process, in the project: {id: result}."""
     project = tmp_path_factory.mktemp("project")
-    for name, text in FILES.items():
-        (project / name).parent.mkdir(parents=True, exist_ok=True)
-        (project / name).write_text(text)
+    write_project(project, FILES)
     rows = []
     for name, args, _ in MISTAKES:
         run_dir = [] if any(arg.startswith("hydra.run.dir=") for arg in args) else [f"hydra.run.dir=runs/{name}"]
