@@ -5,6 +5,7 @@ directory, which also holds a train.py, models.py and data.py. Real processes, g
 from __future__ import annotations
 
 import json
+import re
 import runpy
 import shutil
 import signal
@@ -222,7 +223,10 @@ def test_a_stop_signal_with_loader_workers_saves_at_a_step_boundary(project, tmp
     proc, out, err = signalled_launch([*STREAM, "trainer.epochs=1000", "trainer.max_steps=20000",
                                        "trainer.stop_check_s=0.05"], run_dir, cwd=project, after_step=20)
     assert proc.returncode == 128 + signal.SIGTERM
-    assert "[rank 0] SIGTERM: saving a checkpoint at the next step boundary" in err and "DataLoader worker" not in err
+    # Announced by a rank that had the signal when the ranks agreed to stop: rank 0 or, where the agent's SIGTERM
+    # reached rank 1 first (a loaded machine; CI, 2026-11-27), rank 1 alone
+    assert re.search(r"\[rank \d\] SIGTERM: saving a checkpoint at the next step boundary", err), err[-4000:]
+    assert "DataLoader worker" not in err, err[-4000:]
     saved = final_checkpoint(run_dir)
     assert saved["step"] >= 20 and f"stopped at step {saved['step']} with a checkpoint" in out
     per_epoch = json.loads((run_dir / "plan.json").read_text())["steps_per_epoch"]
