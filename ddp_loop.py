@@ -93,8 +93,7 @@ def report(step: int, **metrics: float) -> None:
     values = {k: float(v) for k, v in metrics.items()}
     print(f"step {step}  " + "  ".join(f"{k} {v:.4g}" for k, v in values.items()), flush=True)
     folder = run_dir()
-    if folder is not None:
-        _follow(folder)
+    if folder is not None:  # (the trackers follow this file: _follow, started at import)
         with open(folder / "metrics.jsonl", "a") as out:
             out.write(json.dumps({"kind": "train", "step": step, "time": time.time(), **values}) + "\n")
 

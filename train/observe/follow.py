@@ -2,7 +2,7 @@
 
 A script of the user's own (program=script, docs/your-loop.md) reports with `ddp_loop.report(step, **metrics)`: a
 line of RUN_DIR/metrics.jsonl on rank 0. Its trackers (the config's `loggers:`, TensorBoard by default; W&B, MLflow)
-are built here, in a process of rank 0's own that ddp_loop starts at the first report: not in the script's process,
+are built here, in a process of rank 0's own that ddp_loop starts when the script imports it: not in the script's process,
 whose path starts with the script's folder (a `train.py` there would be imported instead of this package), and
 without anything of the script's imports. It follows the file, drawing each record once as the trainer's Metrics
 draws it (the same tags: train/loss, ...), and ends when rank 0 does, after drawing what is left: its stdin is a
@@ -29,7 +29,7 @@ from pathlib import Path  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from train.config import CONFIG_FILE, flatten  # noqa: E402
-from train.observe.metrics import METRICS_FILE, Metrics  # noqa: E402
+from train.observe.metrics import METRICS_FILE, Metrics, build_trackers  # noqa: E402
 from train.observe.trackers import TrackedRun  # noqa: E402
 
 POLL_S = 0.5  # how often the file is looked at
@@ -52,12 +52,10 @@ def tracked(run_dir: Path, start_step: int) -> tuple[TrackedRun, dict]:
 
 def follow(run_dir: Path, offset: int, ended) -> None:
     """Draw the records written after `offset` until `ended(wait_s)` says rank 0 has ended, then what is left."""
-    from train.build import instantiate
-
     path = run_dir / METRICS_FILE
     start = max((r.get("step", 0) for r in records(path, 0, offset)[1]), default=0)  # what earlier attempts reported
     run, loggers = tracked(run_dir, start)
-    trackers = [instantiate(node, _partial_=True)(run=run) for _, node in sorted(loggers.items()) if node is not None]
+    trackers = build_trackers(loggers, run)
     if not trackers:
         return
     metrics = Metrics(run_dir, start, trackers, cut_back=False)  # catches up a tracker that holds less

@@ -98,12 +98,16 @@ def build_metrics(env: DistEnv, loggers: dict, run: TrackedRun, group_restart: b
     meanwhile stays."""
     if not env.is_main:
         return NullMetrics()
+    trackers = build_trackers(loggers, run) if env.writes else []
+    return Metrics(run.run_dir, run.start_step, trackers, cut_back=env.writes and not group_restart)
+
+
+def build_trackers(loggers: dict, run: TrackedRun) -> list:
+    """The trackers of `loggers` (name -> node with a _target_), each built with run=."""
     from train.build import instantiate
 
     # Partial, then called: Hydra would turn the TrackedRun passed through instantiate into a dict.
-    trackers = [instantiate(node, _partial_=True)(run=run) for _, node in sorted(loggers.items())
-                if node is not None] if env.writes else []
-    return Metrics(run.run_dir, run.start_step, trackers, cut_back=env.writes and not group_restart)
+    return [instantiate(node, _partial_=True)(run=run) for _, node in sorted(loggers.items()) if node is not None]
 
 
 class WhileWriting:
