@@ -8,10 +8,7 @@ as the module that holds its code now (the same module object: a class unpickles
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.util
-import sys
+from train import moved
 
 # old module -> the module its code lives in now
 MODULES = {
@@ -45,27 +42,7 @@ MODULES = {
 }
 
 
-class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
-    """Imports an old module path as the module that holds its code now; runs it under `python -m OLD`."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name not in MODULES:
-            return None
-        return importlib.util.spec_from_loader(name, self, origin=importlib.util.find_spec(MODULES[name]).origin)
-
-    def create_module(self, spec):
-        return importlib.import_module(MODULES[spec.name])
-
-    def exec_module(self, module) -> None:
-        pass  # already executed under its own name
-
-    def get_code(self, fullname):  # runpy's `python -m OLD`: today's module's code, run as __main__
-        return importlib.util.find_spec(MODULES[fullname]).loader.get_code(MODULES[fullname])
-
-    def get_source(self, fullname):
-        return importlib.util.find_spec(MODULES[fullname]).loader.get_source(MODULES[fullname])
 
 
 def install() -> None:
-    if not any(isinstance(finder, OldPaths) for finder in sys.meta_path):
-        sys.meta_path.append(OldPaths())
+    moved.install(MODULES)  # train/moved.py's finder, which holds train's own old paths too

@@ -84,8 +84,11 @@ def test_the_launchers_module_paths_from_before_the_move_name_the_same_objects()
     from launcher.backends import slurm_job
     from launcher.moved import MODULES
 
+    from train.moved import OldPaths
+
     for old, new in MODULES.items():
         assert importlib.import_module(old) is importlib.import_module(new), old
+    assert sum(isinstance(finder, OldPaths) for finder in sys.meta_path) == 1  # one finder holds both tables
     task = slurm_job.Requeues.__new__(slurm_job.Requeues)
     old_pickle = pickle.dumps(task, protocol=0).replace(b"launcher.backends.slurm_job", b"launcher.slurm_job")
     assert b"launcher.slurm_job" in old_pickle and type(pickle.loads(old_pickle)) is slurm_job.Requeues

@@ -61,19 +61,36 @@ def forward(package: str):
     return __getattr__
 
 
-class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports an old module path as the module that holds its code now."""
+class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
+    """Imports an old module path as the module that holds its code now (the same module object: a class pickled
+    under the old path unpickles as today's class); runs it under `python -m OLD` (runpy asks for its code).
+    One finder for every package's table of old paths (this one's, launcher/moved.py's)."""
+
+    def __init__(self) -> None:
+        self.modules: dict[str, str] = {}
 
     def find_spec(self, name, path=None, target=None):
-        return importlib.util.spec_from_loader(name, self) if name in MODULES else None
+        if name not in self.modules:
+            return None
+        return importlib.util.spec_from_loader(name, self, origin=importlib.util.find_spec(self.modules[name]).origin)
 
     def create_module(self, spec):
-        return importlib.import_module(MODULES[spec.name])
+        return importlib.import_module(self.modules[spec.name])
 
     def exec_module(self, module) -> None:
         pass  # already executed under its own name
 
+    def get_code(self, fullname):  # `python -m OLD`: today's module's code, run as __main__
+        return importlib.util.find_spec(self.modules[fullname]).loader.get_code(self.modules[fullname])
 
-def install() -> None:
-    if not any(isinstance(finder, OldPaths) for finder in sys.meta_path):
-        sys.meta_path.append(OldPaths())
+    def get_source(self, fullname):
+        return importlib.util.find_spec(self.modules[fullname]).loader.get_source(self.modules[fullname])
+
+
+def install(modules: dict[str, str] = MODULES) -> None:
+    """Old module path -> today's, added to the one finder on sys.meta_path (installed once)."""
+    finder = next((f for f in sys.meta_path if isinstance(f, OldPaths)), None)
+    if finder is None:
+        finder = OldPaths()
+        sys.meta_path.append(finder)
+    finder.modules.update(modules)
