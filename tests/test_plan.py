@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from train.config import TrainConfig
-from train.build import build_optimizer, parameter_groups
-from train.optim import build_scheduler, make_plan
+from train.optim import build_optimizer, build_scheduler, parameter_groups
+from train.plan import make_plan
 
 WARMUP = {"_target_": "train.optim.WarmupSchedule", "_partial_": True}  # conf/optim/schedule/warmup.yaml's target
 

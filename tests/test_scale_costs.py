@@ -130,7 +130,7 @@ def test_a_tensor_parallel_group_resumes_with_one_random_stream_after_a_change_o
     """A checkpoint of 4 ranks at tp=1 (4 different streams) resumed at tp=2: both ranks of a tp group draw the
     same dropout masks again (they restored rank r's own stream, two different ones per group)."""
     from train.dist import DistEnv
-    from train.optim import Plan
+    from train.plan import Plan
 
     streams = []
     for old_rank in range(4):  # the ranks of the checkpoint, seeded apart (tp=1: each its own stream)

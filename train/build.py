@@ -13,7 +13,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from train.config import OptimConfig, TrainConfig
+from train.config import TrainConfig
 from train.host import USER_PATH_ENV
 
 log = logging.getLogger("train")
@@ -46,19 +46,19 @@ def build_task(cfg: TrainConfig):
     return instantiate(cfg.task)
 
 
-def parameter_groups(cfg: OptimConfig, model: nn.Module) -> list[dict]:
-    """One group decayed by optim.weight_decay; with optim.decay_norms_and_biases=false, the parameters under two
-    dimensions (biases, norm weights) in a second group without weight decay (as GPT-2 and most recipes)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.decay_norms_and_biases:
-        return [{"params": params, "weight_decay": cfg.weight_decay}]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+def build_task_and_model(cfg: TrainConfig):
+    """The task, the model with the same initial weights on every rank (with the recipes of its shards, when built on
+    the meta device: build_initial_model), the task adapted to the model, activation checkpointing applied."""
+    from train.tasks import follow_model
 
-
-def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """optim.optimizer is a _partial_ target: called here with the parameter groups and the plan's lr."""
-    return instantiate(cfg.optimizer)(parameter_groups(cfg, model), lr=lr)
+    task = build_task(cfg)
+    model, recipes = build_initial_model(cfg)
+    choice = follow_model(task, model)  # a task that adapts to the model (model_loss: whether labels shift)
+    if choice:
+        log.info(choice)
+    if cfg.trainer.activation_checkpointing:
+        checkpoint_blocks(model)
+    return task, model, recipes
 
 
 def checkpoint_blocks(model: nn.Module) -> None:

@@ -35,14 +35,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from train.build import add_import_path, build_model, build_optimizer, build_task, checkpoint_blocks, instantiate  # noqa: E402
+from train.build import add_import_path, build_model, build_task, checkpoint_blocks, instantiate  # noqa: E402
 from train.config import TrainConfig, load_config  # noqa: E402
 from train.dist import DistEnv  # noqa: E402
 from train.parallel.layout import layout_of  # noqa: E402
 from train.data.sets import build_dataset  # noqa: E402
 from train.data.stand_in import build_or_stand_in  # noqa: E402
 from train.parallel.strategy import local_bytes  # noqa: E402
-from train.optim import make_plan, replica_rank, replicas, train_size  # noqa: E402
+from train.optim import build_optimizer  # noqa: E402
+from train.plan import make_plan, place_in_job, replicas, size_of  # noqa: E402
 from train.step import SavedActivations, model_call  # noqa: E402
 
 MB = 2**20
@@ -185,8 +186,8 @@ def forecast(cfg: TrainConfig, rank: int, world: int, stand_in: bool = False) ->
     try:
         env = DistEnv(rank=rank, local_rank=rank % per_node, world_size=world, local_world_size=per_node)
         build = build_or_stand_in if stand_in else build_dataset  # a dry run plans without the data's files
-        dataset = build(cfg.data.train, replica_rank(cfg, env), replicas(cfg, world))
-        plan = make_plan(cfg, world, train_size(dataset, cfg))
+        dataset = build(cfg.data.train, place_in_job(cfg, env).replica, replicas(cfg, world))
+        plan = make_plan(cfg, world, size_of(dataset, cfg))
         with torch.device("meta"):
             model = build_model(cfg)
         parameters = sum(p.numel() for p in model.parameters())
@@ -202,7 +203,7 @@ def forecast(cfg: TrainConfig, rank: int, world: int, stand_in: bool = False) ->
         return {
             "rank": rank, "world_size": world, "strategy": cfg.trainer.strategy, "replicas": replicas(cfg, world),
             "global_batch": plan.global_batch, "steps_per_epoch": plan.steps_per_epoch, "total_steps": plan.total_steps,
-            "lr": plan.lr, "samples_per_replica": -(-train_size(dataset, cfg) // replicas(cfg, world)),
+            "lr": plan.lr, "samples_per_replica": -(-size_of(dataset, cfg) // replicas(cfg, world)),
             "parameters": parameters, "parameter_bytes": params,
             "gradient_bytes": grads, "optimizer_bytes": state, "activation_bytes": activation_bytes,
             "output_gradient_bytes": output_gradient_bytes,

@@ -1,98 +1,17 @@
-"""Optimizer, lr schedule, and the plan: the quantities derived from the config and the world size.
-
-The schedule is defined in epochs and converted to optimizer steps here, so changing the world size or the
-batch size changes the number of steps but not the shape of the schedule over the data.
-"""
+"""The optimization: the optimizer over the model's parameter groups, the lr schedule (in epochs, converted to
+optimizer steps from the plan: train/plan.py), the fp16 gradient scaler. `build_optimization` makes all three."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
+from torch import nn
 
-from train.fault_tolerance import groups, replica_group
-from train.parallel.layout import layout_of
-from train.config import OptimConfig, TrainConfig
-
-
-@dataclass(frozen=True)
-class Plan:
-    world_size: int  # processes
-    replicas: int  # data-parallel copies of the model: world size, or 1 for a pipeline (every stage sees every sample)
-    global_batch: int  # samples per optimizer step, all ranks and micro-steps together
-    lr: float  # peak lr after the linear scaling rule (if enabled)
-    steps_per_epoch: int  # optimizer steps per epoch
-    total_steps: int  # length of the lr schedule: epochs x steps_per_epoch
-    stop_step: int  # this run stops here (trainer.max_steps, else total_steps)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def scaled_lr(cfg: OptimConfig, global_batch: int) -> float:
-    return cfg.lr * global_batch / cfg.reference_batch_size if cfg.scale_lr else cfg.lr
-
-
-def replicas(cfg: TrainConfig, world_size: int) -> int:
-    """How many processes of the whole job (`world_size`) read different samples: the layout's data-parallel degree
-    (a pipeline's stages and a tensor-parallel group read one share; HSDP's copies do not change it, so any node
-    count will do here), in each replica group (train/fault_tolerance.py)."""
-    per_group = world_size // groups(cfg.trainer)
-    return layout_of(cfg.trainer, per_group, per_group).dp * groups(cfg.trainer)
-
-
-def replica_rank(cfg: TrainConfig, env) -> int:
-    """Which share of the samples this process reads (`env`: its replica group's world)."""
-    layout = layout_of(cfg.trainer, env.world_size, env.local_world_size)
-    return replica_group() * layout.dp + layout.dp_rank(env.rank)
-
-
-def job_world(cfg: TrainConfig, env) -> int:
-    """The processes of the whole job: this replica group's world times the groups."""
-    return env.world_size * groups(cfg.trainer)
-
-
-def train_size(dataset, cfg: TrainConfig) -> int:
-    try:
-        return len(dataset)
-    except TypeError:
-        raise TypeError(f"data.train ({cfg.data.train['_target_']}) has no __len__: an iterable data set must say "
-                        f"how many samples one epoch has (all ranks together), which sets the steps per epoch; "
-                        f"define __len__ on it.") from None
-
-
-def global_batch_size(cfg: TrainConfig, world_size: int) -> int:
-    return cfg.data.batch_size * replicas(cfg, world_size) * cfg.trainer.accumulate
-
-
-def make_plan(cfg: TrainConfig, world_size: int, train_size: int) -> Plan:
-    copies = replicas(cfg, world_size)
-    if train_size == 0:  # no batch size fits: the data is what to look at
-        raise ValueError(
-            f"data.train ({cfg.data.train.get('_target_', '?')}) is empty: its __len__ is 0, so there is nothing to "
-            f"train on. Check the data's path and split (data.root, the files it reads, a filter that drops every "
-            f"sample), or the data set's __len__.")
-    per_rank = math.ceil(train_size / copies)  # DistributedSampler pads to this
-    steps_per_epoch = per_rank // cfg.data.batch_size // cfg.trainer.accumulate
-    if steps_per_epoch < 1:
-        raise ValueError(
-            f"data.batch_size={cfg.data.batch_size} x trainer.accumulate={cfg.trainer.accumulate} is larger than "
-            f"one replica's share of the training set ({per_rank} of {train_size} samples on {copies} "
-            f"replicas): lower data.batch_size or trainer.accumulate."
-        )
-    total = cfg.trainer.epochs * steps_per_epoch
-    stop = min(total, cfg.trainer.max_steps) if cfg.trainer.max_steps > 0 else total
-    batch = global_batch_size(cfg, world_size)
-    return Plan(
-        world_size=world_size,
-        replicas=copies,
-        global_batch=batch,
-        lr=scaled_lr(cfg.optim, batch),
-        steps_per_epoch=steps_per_epoch,
-        total_steps=total,
-        stop_step=stop,
-    )
+from train.build import instantiate
+from train.config import OptimConfig
+from train.plan import Plan
 
 
 class WarmupSchedule:
@@ -141,8 +60,6 @@ SCHEDULES = ("cosine", "step", "constant")
 
 def build_schedule(node, plan: Plan):
     """The lr factor function the config's optim.schedule target makes for this plan."""
-    from train.build import instantiate
-
     factor = instantiate(node)(steps_per_epoch=plan.steps_per_epoch, total_steps=plan.total_steps)
     if not callable(factor):
         raise TypeError(f"optim.schedule._target_={node['_target_']} returned a {type(factor).__name__}, not a "
@@ -168,3 +85,31 @@ def schedule_warning(factor, plan) -> str:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, node, plan: Plan):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, build_schedule(node, plan))
+
+
+def parameter_groups(cfg: OptimConfig, model: nn.Module) -> list[dict]:
+    """One group decayed by optim.weight_decay; with optim.decay_norms_and_biases=false, the parameters under two
+    dimensions (biases, norm weights) in a second group without weight decay (as GPT-2 and most recipes)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.decay_norms_and_biases:
+        return [{"params": params, "weight_decay": cfg.weight_decay}]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """optim.optimizer is a _partial_ target: called here with the parameter groups and the plan's lr."""
+    return instantiate(cfg.optimizer)(parameter_groups(cfg, model), lr=lr)
+
+
+class Optimization(NamedTuple):
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+
+
+def build_optimization(cfg: OptimConfig, model: nn.Module, plan: Plan, precision: str, device: torch.device) -> Optimization:
+    """The optimizer at the plan's lr, its schedule over the plan's steps, the gradient scaler (fp16 only)."""
+    optimizer = build_optimizer(cfg, model, plan.lr)
+    return Optimization(optimizer, build_scheduler(optimizer, cfg.schedule, plan),
+                        torch.amp.GradScaler(device.type, enabled=precision == "fp16"))

@@ -18,7 +18,7 @@ from train.dist import DistEnv
 from train.fault_tolerance import Alone, ReplicaGroups
 from train.finite import FiniteWatch
 from train.observe.watchdog import Watchdog
-from train.optim import Plan
+from train.plan import Plan
 from train.parallel.strategy import Strategy
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from train import dist as distributed
-from train.build import add_import_path, build_initial_model, build_optimizer, build_task, checkpoint_blocks
+from train.build import add_import_path, build_task_and_model
 from train.checkpoint import CheckpointManager, checkpoint_dir
 from train.checkpoint.run_state import resume
 from train.checkpoint.state import Progress, seed_rank
@@ -31,12 +31,12 @@ from train.loop import Outcome, fit
 from train.observe.hang import HangReports, flight_recorder_env
 from train.observe.throughput import flops_per_token
 from train.observe.watchdog import Watchdog
-from train.optim import build_scheduler, job_world, make_plan, replica_rank, replicas, train_size
+from train.optim import build_optimization
 from train.parallel.strategies import build_strategy
 from train.parallel.strategy import Strategy, memory_format, place
 from train.parts import Run
+from train.plan import make_plan, place_in_job, size_of
 from train.step import build_autocast, set_matmul_precision
-from train.tasks import follow_model
 from train.writer import check_writer
 
 log = logging.getLogger("train")
@@ -91,19 +91,13 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
           saving=None) -> Run:
     """`saving`: the gloo group of the checkpoint collectives (a background save's own, apart from `control`).
     Each part is a start-up phase of the watchdog: minutes at scale, never taken for a hang while it progresses."""
-    world, replica = job_world(cfg, env), replica_rank(cfg, env)  # this rank's place, once: every part reads it
+    where = place_in_job(cfg, env)  # this rank's place in the whole job, once: the data and the plan read it
     with watchdog.phase("preparing the data"):
-        data = stage(build_datasets(cfg.data, replica, replicas(cfg, world)), device)
-    plan = make_plan(cfg, world, train_size(data.train, cfg))
-    task = build_task(cfg)
+        data = stage(build_datasets(cfg.data, where.replica, where.replicas), device)
+    plan = make_plan(cfg, where.world_size, size_of(data.train, cfg))
     with watchdog.phase("building the model"):
-        model, recipes = build_initial_model(cfg)
-    choice = follow_model(task, model)  # a task that adapts to the model (model_loss: whether labels shift)
-    if choice:
-        log.info(choice)
+        task, model, recipes = build_task_and_model(cfg)
     flops = flops_per_token(model)
-    if cfg.trainer.activation_checkpointing:
-        checkpoint_blocks(model)
     fmt = memory_format(cfg.trainer, model, device)
     with watchdog.phase("placing and sharding the model"):
         strategy = build_strategy(model if recipes else place(model, device, fmt), cfg.trainer, env, device)
@@ -112,9 +106,7 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
 
         with watchdog.phase("materialising the model"):
             materialise(strategy.model, recipes, strategy.parameter_device, progress=watchdog.progressed)
-    optimizer = build_optimizer(cfg.optim, strategy.model, plan.lr)
-    scheduler = build_scheduler(optimizer, cfg.optim.schedule, plan)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.trainer.precision == "fp16")
+    optimizer, scheduler, scaler = build_optimization(cfg.optim, strategy.model, plan, cfg.trainer.precision, device)
     # Per-rank randomness (dropout) differs between ranks, except within a tp group: its ranks hold one activation.
     seed_rank(cfg.trainer.seed + env.rank // strategy.layout.tp)
 
@@ -123,7 +115,7 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
                              fmt=checkpoint_format(cfg), group=saving, watchdog=watchdog, local_rank=env.local_rank)
     with watchdog.phase("loading the checkpoint"):
         progress, state = resume(ckpt, cfg, env, strategy, optimizer, scheduler, scaler, plan)
-    batches = build_train_source(cfg.data, data.train, replica, plan.replicas, cfg.trainer.seed,
+    batches = build_train_source(cfg.data, data.train, where.replica, plan.replicas, cfg.trainer.seed,
                                  plan.steps_per_epoch * cfg.trainer.accumulate, device, fmt)
     if state is not None and state["world_size"] == plan.world_size and state["global_batch"] == plan.global_batch:
         batches.load_state_dict((ckpt.rank_state(state, env.rank) or {}).get("data"))

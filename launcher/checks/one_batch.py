@@ -60,7 +60,7 @@ def check_data(cfg: Config, train, evaluation, problems: list[str]) -> None:
     different shapes that no collate function pads (two real samples are collated, as the loader will)."""
     from torch.utils.data import IterableDataset, default_collate
 
-    from train.optim import make_plan
+    from train.plan import make_plan
     from train.parallel.layout import world_size
 
     if not isinstance(evaluation, IterableDataset) and hasattr(evaluation, "__len__") and len(evaluation) == 0:

@@ -9,7 +9,7 @@ from launcher.schema import Config
 from train.checkpoint import checkpoint_dir, committed
 from train.dist import resolve_backend
 from train.fault_tolerance import groups
-from train.optim import global_batch_size, replicas, scaled_lr
+from train.plan import global_batch_size, replicas, scaled_lr
 from train.parallel.layout import fsdp_shards, layout_of, procs_per_node, world_size
 
 SOURCES = {"digits": "(bundled with scikit-learn)", "synthetic": "(generated in memory)"}

@@ -20,7 +20,7 @@ from train.checkpoint import dcp
 from train.config import flatten
 from train.dist import DistEnv, gather_to_main
 from train.checkpoint.identity import describe, identity_changes
-from train.optim import Plan
+from train.plan import Plan
 from train.parallel.strategy import Strategy
 
 FORMAT_VERSION = 1

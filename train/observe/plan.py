@@ -10,7 +10,8 @@ import torch
 from train.checkpoint.identity import run_identity
 from train.config import flatten, to_dict
 from train.observe.trackers import TrackedRun
-from train.optim import Plan, schedule_warning
+from train.optim import schedule_warning
+from train.plan import Plan
 from train.step import uses_tf32
 
 
