@@ -296,6 +296,32 @@ def test_resume_with_another_global_batch_maps_the_position_by_sample(launch, tm
     assert final_checkpoint(run_dir)["step"] == 30
 
 
+ABORTS_AT_EXIT = """
+import atexit
+import os
+
+from torch import nn
+
+if "RANK" not in os.environ:  # the launcher's process: its finalization aborts, as a torch C++ thread can make it
+    atexit.register(os.abort)
+
+
+def model(**_):
+    return nn.Sequential(nn.Flatten(), nn.Linear(256, 10))
+"""
+
+
+def test_a_launcher_whose_interpreter_would_abort_at_exit_still_ends_with_the_runs_exit_code(tmp_path, launch):
+    """The launcher ends as a rank does, without the interpreter's finalization, where a C++ thread of torch's (the
+    rendezvous store a script's ranks share) was seen to abort it after a clean SIGTERM stop: exit -6 instead of
+    143, "terminate called without an active exception". Here the user's module makes finalization abort."""
+    (tmp_path / "aborts_at_exit.py").write_text(ABORTS_AT_EXIT)
+    proc = launch(*FAST, "model._target_=aborts_at_exit.model", "trainer.max_steps=1", "trainer.eval_every=0",
+                  f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert final_checkpoint(tmp_path / "run")["step"] == 1
+
+
 def test_a_second_ctrl_c_stops_the_workers_at_once(tmp_path):
     """Rank 0 hangs, so the first SIGINT's graceful stop cannot finish; the second one must not wait for it."""
     run_dir = tmp_path / "run"

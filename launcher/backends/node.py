@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from launcher.backends.local import Local
 from launcher.schema import Config
+from train.dist import exit_without_finalizing
 from train.host import die_with_parent
 
 
@@ -28,4 +29,4 @@ def main(snapshot: str, endpoint: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    exit_without_finalizing(main(*sys.argv[1:3]))  # as `python -m launcher` ends (launcher/__main__.py says why)
