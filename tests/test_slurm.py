@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -381,14 +382,14 @@ def test_a_task_whose_interpreter_would_abort_at_exit_still_ends_with_its_result
     assert (tmp_path / "7_0_result.pkl").exists()
 
 
-def submit_script(here: Path, script: str, args: str, name: str) -> tuple[str, Path]:
+def submit_script(here: Path, script: str, args: str, name: str, *overrides: str) -> tuple[str, Path]:
     """program=script as a two-node SLURM job from `here` (tests/foreign/own_loop's `script` copied there): its job id
     and run directory."""
     shutil.copy(Path(__file__).parent / "foreign" / "own_loop" / script, here / script)
     run_dir = here / "runs" / name
     proc = subprocess.run([sys.executable, "-m", "launcher", "launcher=slurm", "trainer.nodes=2", "trainer.procs_per_node=1",
                            "program=script", f"program.script={script}", f"program.args={args}",
-                           f"hydra.run.dir={run_dir}"], cwd=here, capture_output=True, text=True, timeout=120)
+                           *overrides, f"hydra.run.dir={run_dir}"], cwd=here, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return submitted_job_id(proc.stdout), run_dir
 
@@ -405,6 +406,21 @@ def test_an_unchanged_torchrun_script_runs_as_a_two_node_job(cluster, tmp_path):
     assert set(torch.load(here / "mine.pt", weights_only=True)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     logs = subprocess.run([sys.executable, "-m", "launcher.jobs", "logs", str(run_dir)], capture_output=True, text=True)
     assert "epoch 1 loss" in logs.stdout and "world 2 local_rank 0" in logs.stdout
+
+
+def test_a_script_using_torchft_runs_as_replica_groups_one_per_node_and_a_killed_group_heals(cluster, tmp_path):
+    """program=script with trainer.fault_tolerance=replicas under SLURM: each node's task runs its replica group under
+    its own agent (as the trainer's groups run), not the script as a plain rank of one world, where torchft's Manager
+    found no Lighthouse and the job hung. Group 1's rank dies at step 5: its group alone restarts and heals."""
+    job_id, run_dir = submit_script(tmp_path, "ft_loop.py", "[--die-at,5]", "ft", "trainer.fault_tolerance=replicas",
+                                    "trainer.replica_groups=2", "launcher.max_restarts=1")
+    wait_until_ended([job_id], run_dir, timeout=180)
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+    logs = "".join(path.read_text() for path in sorted((run_dir / "slurm").glob(f"{job_id}_*_log.*")))
+    assert "replica group 1 rejoins the others" in logs
+    done = sorted(re.findall(r"group (\d) done at step (\d+): weights (-?[\d.]+)", logs))
+    assert [(group, step) for group, step, _ in done] == [("0", "20"), ("1", "20")], logs[-3000:]
+    assert done[0][2] == done[1][2]  # the same weights
 
 
 def test_a_script_using_the_api_saves_at_the_warning_signal_and_the_requeued_job_resumes_it(cluster, tmp_path):

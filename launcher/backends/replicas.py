@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from launcher.backends.local import launch_config, run_workers
 from launcher.schema import Config
+from train.dist import exit_without_finalizing
 from train.host import die_with_parent
 from train.parallel.layout import procs_per_node
 
@@ -53,4 +54,4 @@ def group_main(snapshot: str, group: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(group_main(sys.argv[1], int(sys.argv[2])))
+    exit_without_finalizing(group_main(sys.argv[1], int(sys.argv[2])))  # as `python -m launcher` ends (its __main__ says why)

@@ -156,11 +156,11 @@ def submit(cfg: Config, run_dir: Path, snapshot: Path):
 
     executor = submitit.SlurmExecutor(folder=slurm_folder(run_dir), python=task_python())
     executor.update_parameters(**executor_parameters(cfg, node_cpus(cfg.launcher.partition)))
-    if cfg.program.name == "script":  # the user's own loop: each task runs it as its rank
+    if cfg.trainer.fault_tolerance == "replicas":  # the node's groups under their agents, the trainer or a script
+        task = SlurmReplicaNode(str(snapshot))
+    elif cfg.program.name == "script":  # the user's own loop: each task runs it as its rank
         task = SlurmScript(str(snapshot), [sys.executable, *script_command(cfg)], os.getcwd(),
                            cfg.launcher.max_requeues, f"SIG{cfg.launcher.signal}")
-    elif cfg.trainer.fault_tolerance == "replicas":
-        task = SlurmReplicaNode(str(snapshot))
     else:
         task = SlurmTask(str(snapshot), cfg.launcher.max_requeues, f"SIG{cfg.launcher.signal}")
     job = executor.submit(task)
