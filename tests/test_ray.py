@@ -5,6 +5,7 @@ lost node, a sweep, and bad input refused before anything is submitted."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -188,6 +189,27 @@ def test_an_unchanged_torchrun_script_runs_as_a_two_node_ray_job(cluster, tmp_pa
     assert "epoch 1 loss" in logs.stdout and "world 2 local_rank 0" in logs.stdout
     assert "own train.py ran" not in logs.stdout + logs.stderr
     assert set(torch.load(tmp_path / "mine.pt", weights_only=True)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+
+
+def test_a_script_using_torchft_runs_as_replica_groups_one_per_node_and_a_killed_group_heals(cluster, tmp_path):
+    """program=script with trainer.fault_tolerance=replicas through the Jobs API: each node's agent runs its replica
+    group (as the trainer's groups run). Group 1's rank dies at step 5: its group alone restarts and heals."""
+    shutil.copy(REPO / "tests" / "foreign" / "own_loop" / "ft_loop.py", tmp_path / "ft_loop.py")
+    run_dir = tmp_path / "runs" / "ft"
+    proc = launch(tmp_path, "launcher=ray", f"launcher.address={ADDRESS}", "trainer.nodes=2", "trainer.procs_per_node=1",
+                  "program=script", "program.script=ft_loop.py", "program.args=[--die-at,5]",
+                  "trainer.fault_tolerance=replicas", "trainer.replica_groups=2", "launcher.max_restarts=1",
+                  f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [job_id] = submitted(proc.stdout)
+    wait_for(lambda: job_state(job_id) in ("SUCCEEDED", "FAILED", "STOPPED"), 240, "the job to end")
+    logs = jobs("logs", str(run_dir), "--lines", "2000", cwd=tmp_path).stdout  # torchft's lines while a group heals
+    assert job_state(job_id) == "SUCCEEDED", logs[-3000:]
+    assert "replica group 1 rejoins the others" in logs
+    done = sorted(re.findall(r"group (\d) done at step (\d+): weights (-?[\d.]+)", logs))
+    assert [(group, step) for group, step, _ in done] == [("0", "20"), ("1", "20")], logs[-3000:]
+    assert done[0][2] == done[1][2]  # the same weights
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
 
 
