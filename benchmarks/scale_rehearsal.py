@@ -218,7 +218,7 @@ def slow_build(seconds: float) -> None:
         return
     import train.run as run_module
 
-    build = run_module.build_initial_model
+    build = run_module.build_task_and_model
 
     def computing(cfg):
         end = time.monotonic() + seconds
@@ -226,7 +226,7 @@ def slow_build(seconds: float) -> None:
             sum(range(10_000))
         return build(cfg)
 
-    run_module.build_initial_model = computing
+    run_module.build_task_and_model = computing
 
 
 # --- the driver -------------------------------------------------------------------------------------------------

@@ -207,7 +207,8 @@ def test_a_script_using_torchft_runs_as_replica_groups_one_per_node_and_a_killed
     logs = jobs("logs", str(run_dir), "--lines", "2000", cwd=tmp_path).stdout  # torchft's lines while a group heals
     assert job_state(job_id) == "SUCCEEDED", logs[-3000:]
     assert "replica group 1 rejoins the others" in logs
-    done = sorted(re.findall(r"group (\d) done at step (\d+): weights (-?[\d.]+)", logs))
+    # (Ray's driver log may hold a node's line twice)
+    done = sorted(set(re.findall(r"group (\d) done at step (\d+): weights (-?[\d.]+)", logs)))
     assert [(group, step) for group, step, _ in done] == [("0", "20"), ("1", "20")], logs[-3000:]
     assert done[0][2] == done[1][2]  # the same weights
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
