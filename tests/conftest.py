@@ -81,6 +81,15 @@ def pytest_xdist_make_scheduler(config, log):
     return Lanes(config, log)
 
 
+# The conformance matrix's table (tests/conformance/test_matrix.py), printed after a run in one process (-n 0)
+MATRIX_TABLE = pytest.StashKey[str]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if MATRIX_TABLE in config.stash:
+        terminalreporter.write_line("\n" + config.stash[MATRIX_TABLE])
+
+
 def pytest_collection_modifyitems(items):
     """pytest-xdist hands out the files in this order (`--no-loadscope-reorder`): the longest first, so that the
     workers end together (tests/file_seconds.py, tests/lanes.py)."""
