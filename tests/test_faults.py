@@ -101,7 +101,8 @@ def test_a_signal_to_the_launcher_saves_at_a_step_boundary_and_the_rerun_finishe
     # The workers stop on SIGTERM: a SIGHUP reaches them as one instead of killing them unsaved.
     assert "[rank 0] SIGTERM: saving a checkpoint at the next step boundary" in err and "Run the same command again" in err
     saved = final_checkpoint(run_dir)
-    assert 3 < saved["step"] < 32
+    # sent once step 3 was logged: the boundary after step 3 may still be ahead of the ranks (seen under CI's load)
+    assert 3 <= saved["step"] < 32
     assert f"stopped at step {saved['step']} with a checkpoint" in out
     if sig != signal.SIGTERM:
         return  # from here on the same as after SIGTERM

@@ -127,6 +127,8 @@ HANDLER = textwrap.dedent(
     print("agreed", stop.agreed(1), flush=True)
     stop.close()
     dist.destroy_process_group()
+    from train.dist import exit_without_finalizing
+    exit_without_finalizing(0)  # as a rank ends: a gloo thread can abort the interpreter's finalization (its docstring)
     """
 )
 
