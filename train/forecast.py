@@ -187,7 +187,8 @@ def forecast(cfg: TrainConfig, rank: int, world: int, stand_in: bool = False) ->
         env = DistEnv(rank=rank, local_rank=rank % per_node, world_size=world, local_world_size=per_node)
         build = build_or_stand_in if stand_in else build_dataset  # a dry run plans without the data's files
         dataset = build(cfg.data.train, place_in_job(cfg, env).replica, replicas(cfg, world))
-        plan = make_plan(cfg, world, size_of(dataset, cfg))
+        samples = size_of(dataset, cfg)
+        plan = make_plan(cfg, world, samples)
         with torch.device("meta"):
             model = build_model(cfg)
         parameters = sum(p.numel() for p in model.parameters())
@@ -201,9 +202,9 @@ def forecast(cfg: TrainConfig, rank: int, world: int, stand_in: bool = False) ->
         grads = sum(local_bytes(p.grad) for p in model.parameters())
         activation_bytes, output_gradient_bytes, activation_note = activations(cfg, dataset)
         return {
-            "rank": rank, "world_size": world, "strategy": cfg.trainer.strategy, "replicas": replicas(cfg, world),
+            "rank": rank, "world_size": world, "strategy": cfg.trainer.strategy, "replicas": plan.replicas,
             "global_batch": plan.global_batch, "steps_per_epoch": plan.steps_per_epoch, "total_steps": plan.total_steps,
-            "lr": plan.lr, "samples_per_replica": -(-size_of(dataset, cfg) // replicas(cfg, world)),
+            "lr": plan.lr, "samples_per_replica": -(-samples // plan.replicas),
             "parameters": parameters, "parameter_bytes": params,
             "gradient_bytes": grads, "optimizer_bytes": state, "activation_bytes": activation_bytes,
             "output_gradient_bytes": output_gradient_bytes,
