@@ -29,6 +29,8 @@ def may_start_ranks(args: list[str]) -> bool:
     if any(arg.split("=", 1)[0] in NO_RANKS_HERE for arg in args):
         return False
     overrides = dict(arg.lstrip("+~").split("=", 1) for arg in args if "=" in arg and not arg.startswith("-"))
+    if overrides.get("trainer.fault_tolerance", "").lower() == "replicas":
+        return False  # each replica group's agent forks its own (train.zygote.preloaded)
     return all(overrides.get(key, value).lower() == value for key, value in RANKS_HERE_WITH.items())
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 
 import pytest
@@ -46,8 +47,12 @@ def test_two_replica_groups_train_as_ddp_does_while_both_take_part(tmp_path, lau
 def test_a_killed_group_restarts_heals_from_the_live_one_and_both_end_identical(tmp_path, launch):
     run_dir = tmp_path / "run"
     proc = launch(*GROUPS, "trainer.epochs=4", "trainer.max_steps=64", "trainer.log_every=2", "launcher.max_restarts=1",
-                  f"hydra.run.dir={run_dir}", env=killed(group=1, step=10))
+                  f"hydra.run.dir={run_dir}", env={**killed(group=1, step=10), "TRACE_START": "1"})
     assert proc.returncode == 0
+    # Each group's ranks, the restarted ones too, were forked from a zygote that its agent forked (it had imported
+    # torch), not one started as `python -m train.zygote` that imported torch again (tests/faults: TRACE_START).
+    started = re.findall(r"\[start rank \d attempt (\d)\] .* preloaded (\w+) parent's module (\S+)", proc.stderr)
+    assert sorted(started) == [("0", "True", "launcher.backends.replicas")] * 2 + [("1", "True", "launcher.backends.replicas")]
     steps = train_steps(run_dir)  # logged by group 0, which was never stopped
     assert steps == sorted(set(steps)) and steps[-1] == 64  # it never went back a step
     # Whether group 0 took a step alone depends on how fast group 1 is back (the quorum waits for a group that still

@@ -133,8 +133,13 @@ def stop_forked() -> None:
 @contextlib.contextmanager
 def preloaded(snapshot: Path):
     """Within the block, ranks started with this process's environment are forked from a zygote: the one this
-    process forked at its start, else one started here as `python -m train.zygote` (for the block only)."""
+    process forked at its start, else one forked now or started as `python -m train.zygote` (for the block only)."""
     zygote, own = (_forked, None) if _forked is not None and _forked.alive() else (None, None)
+    if zygote is None and sys.flags.safe_path:
+        # A process started with -P (a replica group's agent, a Ray node's, a SLURM task) has a rank's module path
+        # and has imported torch already: its fork is a zygote without a second import of torch (~1.3 s of CPU a
+        # start). None where it may not fork (a thread runs).
+        zygote = own = fork(list(sys.path))
     if zygote is None and available():
         listener, address = listen()
         process = subprocess.Popen(

@@ -9,8 +9,8 @@ node's groups have ended; without it no quorum forms (the one node a run cannot 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,7 +19,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 from launcher.backends.network import hold_free_port, hosts_rendezvous
 from launcher.schema import Config
@@ -84,29 +83,41 @@ def _wait_for_every_node(store, nodes: int, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
+# torchft's Lighthouse server, run from its extension module alone: the `torchft_lighthouse` command imports the
+# torchft package first, and with it torch (~1.8 s of CPU at every start of a run with replica groups), for a server
+# written in Rust. The same server (torchft._torchft.LighthouseServer), the same options; it serves until killed.
+SERVE = """import importlib.machinery as machinery, importlib.util as util, sys, time
+ext = machinery.FileFinder(sys.argv[1], (machinery.ExtensionFileLoader, machinery.EXTENSION_SUFFIXES)).find_spec("torchft._torchft")
+torchft = util.module_from_spec(ext)
+ext.loader.exec_module(torchft)
+server = torchft.LighthouseServer(sys.argv[2], int(sys.argv[3]), join_timeout_ms=10000, quorum_tick_ms=50,
+                                  heartbeat_timeout_ms=2000)
+while True:
+    time.sleep(3600)
+"""
+
+
 def start_lighthouse(cfg: Config, bind: str, advertise: str = "127.0.0.1") -> tuple[subprocess.Popen, str]:
     """torchft's Lighthouse on a free port of `bind`, listening when this returns, reached at `advertise`; it dies
     with this process. A group that stops heartbeating for 2 s is left out of the next quorum; stragglers are waited
     for 10 s at most while enough groups are there."""
+    found = importlib.util.find_spec("torchft")  # where it is, without importing it
+    if found is None or not found.submodule_search_locations:
+        raise RuntimeError(f"torchft is not installed on {socket.gethostname()}: install torchft==0.2.0 (the project's "
+                           f"[ft] extra) in the environment every node runs, or leave trainer.fault_tolerance out.")
     with hold_free_port(bind) as held:  # until the Lighthouse listens there: no other process takes it
         port = held.getsockname()[1]
-        try:
-            lighthouse = subprocess.Popen(
-                [_lighthouse_binary(), "--min_replicas", str(cfg.trainer.min_replicas),
-                 "--bind", f"{bind}:{port}", "--join_timeout_ms", "10000", "--quorum_tick_ms", "50",
-                 "--heartbeat_timeout_ms", "2000"],
-                env={"RUST_LOG": "warn", **os.environ}, stdout=subprocess.DEVNULL, preexec_fn=serve_until_ended)
-        except FileNotFoundError:
-            raise RuntimeError(f"torchft's Lighthouse (torchft_lighthouse) is not installed on {socket.gethostname()}: "
-                               f"install torchft==0.2.0 (the project's [ft] extra) in the environment every node "
-                               f"runs, or leave trainer.fault_tolerance out.") from None
+        lighthouse = subprocess.Popen(
+            [sys.executable, "-P", "-c", SERVE, found.submodule_search_locations[0], f"{bind}:{port}",
+             str(cfg.trainer.min_replicas)],
+            env={"RUST_LOG": "warn", **os.environ}, stdout=subprocess.DEVNULL, preexec_fn=serve_until_ended)
         deadline = time.monotonic() + LISTEN_TIMEOUT_S
         while not _listens(port):
             if lighthouse.poll() is not None or time.monotonic() > deadline:
                 lighthouse.kill()
-                raise RuntimeError(f"torchft's Lighthouse ({_lighthouse_binary()}) did not start listening on port "
-                                   f"{port} (exit code {lighthouse.poll()}); its error is above. Check that torchft "
-                                   f"is installed (pip install -e '.[ft]').")
+                raise RuntimeError(f"torchft's Lighthouse did not start listening on port {port} (exit code "
+                                   f"{lighthouse.poll()}); its error is above. Check that torchft==0.2.0 is installed "
+                                   f"(pip install -e '.[ft]').")
             time.sleep(0.02)
     return lighthouse, f"http://{advertise}:{port}"
 
@@ -130,8 +141,3 @@ def die_with_launcher() -> None:
     """A child's preexec_fn: it is killed when the launcher that started it ends."""
     die_with(os.getppid())
 
-
-def _lighthouse_binary() -> str:
-    """torchft's binary beside this Python (a venv not on PATH), else on PATH."""
-    beside = Path(sys.executable).parent / "torchft_lighthouse"
-    return str(beside) if beside.exists() else shutil.which("torchft_lighthouse") or "torchft_lighthouse"
