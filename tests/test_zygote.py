@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 
-from conftest import FAST, FAULTS_DIR, fault_env, final_checkpoint, logged_steps, run_cli, wait_for
+from conftest import FAST, FAULTS_DIR, REPO, fault_env, final_checkpoint, logged_steps, run_cli, wait_for
 from launcher.__main__ import may_start_ranks
 
 RUN = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=2", "trainer.epochs=2"]
@@ -96,7 +96,8 @@ def test_only_a_command_that_may_start_ranks_here_forks_a_zygote():
     assert may_start_ranks([]) and may_start_ranks(["+experiment=resnet18", "trainer.gpus=4", "launcher=local"])
     assert may_start_ranks(["launcher.dry_run=true"])  # its forecasts of the ranks are forked
     for words in (["--cfg", "job"], ["--help"], ["launcher=slurm"], ["+launcher=ray"],
-                  ["launcher.preload_ranks=False"], ["launcher.name=slurm"]):
+                  ["launcher.preload_ranks=False"], ["launcher.name=slurm"],
+                  ["trainer.fault_tolerance=replicas"]):  # each group's agent forks its own
         assert not may_start_ranks(words), words
 
 
@@ -137,3 +138,16 @@ def test_what_a_rank_leaves_in_its_process_group_ends_with_it(tmp_path):
     finally:
         if not zombie(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_the_zygote_imports_the_installed_packages_of_the_targets_once_and_never_the_projects_own(tmp_path):
+    """A Hugging Face model: transformers (~1.5 s of CPU) was imported by every rank again; the zygote now imports it
+    at the first rank's request. The project's own data module (text_data.py) is still each rank's own import."""
+    project = REPO / "tests" / "foreign" / "huggingface"
+    env = traced(TRACE_MODULES="transformers,text_data")
+    pid, code, err = launch_traced(project, "--config-dir", "conf", "+experiment=hf_bert_classifier", *FAST,
+                                   "trainer.procs_per_node=2", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}",
+                                   env=env)
+    assert code == 0
+    imported = re.findall(r"\[start rank (\d) attempt 0\] .* preloaded True .* imported (\S+)", err)
+    assert sorted(imported) == [("0", "transformers"), ("1", "transformers")]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -52,6 +53,11 @@ RELAYED = IGNORED  # what a relay passes on (SLURM's warning before the time lim
 # What a zygote forks: a rank, or a rank's memory forecast (a dry run's, launcher/checks/forecast.py).
 RUNNABLE = ("train", "train.forecast")
 REQUEST_TIMEOUT_S = 30  # a relay sends its whole request right after connecting
+# The ranks' _target_s that come from installed packages (transformers.BertForSequenceClassification, timm's),
+# comma-separated, in a rank's environment: the zygote imports them at the first rank's request, once for every rank
+# of the node (a transformers model: ~1.5 s of CPU per rank, most of it the model's own module, which transformers
+# imports lazily). Set by the launcher (launcher/backends/local.py), never to a project's own modules.
+PRELOAD_ENV = "TRAIN_ZYGOTE_PRELOAD"
 
 
 def available() -> bool:
@@ -131,9 +137,10 @@ def stop_forked() -> None:
 
 
 @contextlib.contextmanager
-def preloaded(snapshot: Path):
+def preloaded(snapshot: Path, targets: list[str] | tuple = ()):
     """Within the block, ranks started with this process's environment are forked from a zygote: the one this
-    process forked at its start, else one forked now or started as `python -m train.zygote` (for the block only)."""
+    process forked at its start, else one forked now or started as `python -m train.zygote` (for the block only).
+    `targets`: what the zygote imports once for all its ranks (PRELOAD_ENV)."""
     zygote, own = (_forked, None) if _forked is not None and _forked.alive() else (None, None)
     if zygote is None and sys.flags.safe_path:
         # A process started with -P (a replica group's agent, a Ray node's, a SLURM task) has a rank's module path
@@ -152,10 +159,13 @@ def preloaded(snapshot: Path):
         yield
         return
     os.environ[ZYGOTE_ENV] = zygote.address
+    if targets:
+        os.environ[PRELOAD_ENV] = ",".join(targets)
     try:
         yield
     finally:
         os.environ.pop(ZYGOTE_ENV, None)
+        os.environ.pop(PRELOAD_ENV, None)
         if own is not None:
             own.stop()
 
@@ -313,6 +323,7 @@ def start_rank(conn: socket.socket, selector: selectors.BaseSelector) -> None:
 def fork_rank(request: dict, fds: list[int], conn: socket.socket, selector: selectors.BaseSelector) -> int:
     """Fork with the rank's environment in place (os.register_at_fork hooks see it, as a fresh process's
     sitecustomize would) and give the zygote its own back."""
+    preload_targets(request["env"].get(PRELOAD_ENV, ""))
     if not fork_is_safe():
         raise RuntimeError("the zygote has started a thread or a GPU context: forking it is not safe")
     own = dict(os.environ)
@@ -336,6 +347,29 @@ def fork_is_safe() -> bool:
 
     torch = sys.modules.get("torch")
     return threading.active_count() == 1 and not (torch is not None and torch.cuda.is_initialized())
+
+
+_preloaded: set[str] = set()
+
+
+def preload_targets(targets: str) -> None:
+    """Import what a rank's request names (PRELOAD_ENV, dotted paths) that this zygote has not, and freeze what that
+    made, as the rest of its imports. One that fails is left to the rank, which reports it as its own error."""
+    new = [path for path in targets.split(",") if path and path not in _preloaded]
+    for path in new:
+        _preloaded.add(path)
+        with contextlib.suppress(Exception):
+            parts = path.split(".")
+            for cut in range(len(parts), 0, -1):  # the longest importable module, then its attributes
+                with contextlib.suppress(ImportError):
+                    found = importlib.import_module(".".join(parts[:cut]))
+                    break
+            for name in parts[cut:]:
+                found = getattr(found, name)  # a lazy package (transformers) imports the model's module here
+    if new:
+        import gc
+
+        gc.freeze()
 
 
 def set_environ(env: dict[str, str]) -> None:

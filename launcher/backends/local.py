@@ -11,6 +11,7 @@ node runs the same command with launcher.rdzv_endpoint=HOST:PORT of the first no
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import fcntl
 import hashlib
 import os
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig
@@ -111,9 +112,35 @@ def launch_local(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfi
         return
     # -P: not the working directory first on the path (a user's train.py there is not our `train`); the user's
     # modules come from the snapshot's import_path, after ours.
-    with zygote.preloaded(snapshot) if cfg.launcher.preload_ranks else contextlib.nullcontext():
+    with zygote.preloaded(snapshot, installed_targets(snapshot)) if cfg.launcher.preload_ranks else contextlib.nullcontext():
         run_agent(config or launch_config(cfg, run_dir), sys.executable, ["-u", "-P", "-m", "train", str(snapshot)],
                   **frozen)
+
+
+def installed_targets(snapshot: Path) -> list[str]:
+    """The run's `_target_`s that come from installed packages (in a site-packages folder), e.g. a transformers or
+    timm model, for the zygote to import once for every rank of the node. Never a project's own module: one may read
+    its rank's variables when it is imported."""
+    targets, nodes = set(), [OmegaConf.to_container(OmegaConf.load(snapshot), resolve=False)]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("_target_"), str):
+                targets.add(node["_target_"])
+            nodes.extend(node.values())
+        elif isinstance(node, list):
+            nodes.extend(node)
+    ours = {"torch", "train", "launcher"}  # imported already
+    return sorted(t for t in targets if t.split(".")[0] not in ours and _installed(t.split(".")[0]))
+
+
+def _installed(name: str) -> bool:
+    try:
+        spec = importlib.util.find_spec(name)  # a top-level name: found, not imported
+    except (ImportError, ValueError):
+        return False
+    where = spec and (spec.origin or next(iter(spec.submodule_search_locations or ()), None))
+    return bool(where) and not {"site-packages", "dist-packages"}.isdisjoint(Path(where).parts)
 
 
 @contextlib.contextmanager

@@ -31,7 +31,8 @@ restart runs clean):
   TRACE_START=1 every rank, in every attempt, prints how it started, when it starts:
                 "[start rank R attempt A] pid P parent Q grandparent G preloaded True|False parent's module M"
                 (preloaded: torch's dynamo was imported before the rank's own code ran, i.e. it was forked from a
-                zygote; M: what the parent's command line runs with -m, a forked zygote's being its forker's)
+                zygote; M: what the parent's command line runs with -m, a forked zygote's being its forker's),
+                then "imported A,B": which of the modules TRACE_MODULES names were imported before the rank's code
   FAULT=trace_io  every checkpoint stream of this rank (of every rank with FAULT_RANK=all) is printed as it opens:
                 "[io rank R] writing step_00000003/__0_0.distcp" (what each rank reads, writes and hashes); slow_io
                 prints them too
@@ -62,9 +63,10 @@ def act() -> None:
         grandparent = open(f"/proc/{parent}/stat").read().rsplit(")", 1)[1].split()[1]
         words = open(f"/proc/{parent}/cmdline").read().split("\0")
         module = words[words.index("-m") + 1] if "-m" in words[:-1] else "-"
+        imported = ",".join(name for name in os.environ.get("TRACE_MODULES", "").split(",") if name in sys.modules)
         os.write(2, f"[start rank {os.environ['RANK']} attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}] pid "
                     f"{os.getpid()} parent {parent} grandparent {grandparent} preloaded {'torch._dynamo' in sys.modules} "
-                    f"parent's module {module}\n".encode())
+                    f"parent's module {module} imported {imported or '-'}\n".encode())
     if os.environ.get("FAULT") == "take_port" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0") \
             and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         import socket
