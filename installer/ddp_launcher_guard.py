@@ -42,11 +42,20 @@ def module_run(argv: list[str]) -> tuple[str, list[str]] | None:
 
 
 def shadowing(name: str, folder: str, ours: str) -> str | None:
-    """The file or package in `folder` that `python -m NAME` would import in place of this install's NAME."""
+    """The file or package in `folder` that `python -m NAME` would import in place of this install's NAME. Not
+    another checkout of this project (a git worktree beside the one installed): its own code runs there, as before."""
     for candidate in (os.path.join(folder, name + ".py"), os.path.join(folder, name)):
         if os.path.exists(candidate) and os.path.realpath(candidate) != os.path.realpath(os.path.join(ours, name)):
-            return candidate
+            return None if this_project(folder) else candidate
     return None
+
+
+def this_project(folder: str) -> bool:
+    try:
+        with open(os.path.join(folder, "pyproject.toml"), encoding="utf-8") as project:
+            return 'name = "ddp-launcher"' in project.read()
+    except OSError:
+        return False
 
 
 def advice(module: str, args: list[str], found: str) -> str:

@@ -66,3 +66,13 @@ def test_the_site_hook_reads_which_module_a_command_runs(argv, expected):
     import ddp_launcher_guard  # installed beside the packages (installer/backend.py)
 
     assert ddp_launcher_guard.module_run(argv) == expected
+
+
+def test_another_checkout_of_this_project_is_not_taken_for_a_users_launcher(tmp_path):
+    """A git worktree beside the installed checkout runs its own launcher/, as it did before the hook."""
+    import ddp_launcher_guard
+
+    (tmp_path / "launcher").mkdir()
+    assert ddp_launcher_guard.shadowing("launcher", str(tmp_path), ours=str(tmp_path / "installed")) == str(tmp_path / "launcher")
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "ddp-launcher"\n')
+    assert ddp_launcher_guard.shadowing("launcher", str(tmp_path), ours=str(tmp_path / "installed")) is None
