@@ -144,10 +144,11 @@ def test_the_zygote_imports_the_installed_packages_of_the_targets_once_and_never
     """A Hugging Face model: transformers (~1.5 s of CPU) was imported by every rank again; the zygote now imports it
     at the first rank's request. The project's own data module (text_data.py) is still each rank's own import."""
     project = REPO / "tests" / "foreign" / "huggingface"
-    env = traced(TRACE_MODULES="transformers,text_data")
+    model_module = "transformers.models.bert.modeling_bert"  # what transformers imports lazily, at the attribute
+    env = traced(TRACE_MODULES=f"transformers,{model_module},text_data")
     pid, code, err = launch_traced(project, "--config-dir", "conf", "+experiment=hf_bert_classifier", *FAST,
                                    "trainer.procs_per_node=2", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}",
                                    env=env)
     assert code == 0
     imported = re.findall(r"\[start rank (\d) attempt 0\] .* preloaded True .* imported (\S+)", err)
-    assert sorted(imported) == [("0", "transformers"), ("1", "transformers")]
+    assert sorted(imported) == [("0", f"transformers,{model_module}"), ("1", f"transformers,{model_module}")]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import importlib
 import io
 import json
 import os
@@ -356,20 +355,17 @@ def preload_targets(targets: str) -> None:
     """Import what a rank's request names (PRELOAD_ENV, dotted paths) that this zygote has not, and freeze what that
     made, as the rest of its imports. One that fails is left to the rank, which reports it as its own error."""
     new = [path for path in targets.split(",") if path and path not in _preloaded]
+    if not new:
+        return
+    import gc
+
+    from hydra.utils import get_object  # as the rank imports them (train/build.py)
+
     for path in new:
         _preloaded.add(path)
         with contextlib.suppress(Exception):
-            parts = path.split(".")
-            for cut in range(len(parts), 0, -1):  # the longest importable module, then its attributes
-                with contextlib.suppress(ImportError):
-                    found = importlib.import_module(".".join(parts[:cut]))
-                    break
-            for name in parts[cut:]:
-                found = getattr(found, name)  # a lazy package (transformers) imports the model's module here
-    if new:
-        import gc
-
-        gc.freeze()
+            get_object(path)  # a lazy package (transformers) imports the model's module at the attribute
+    gc.freeze()
 
 
 def set_environ(env: dict[str, str]) -> None:
