@@ -3,6 +3,7 @@ MFU, activation checkpointing. Real processes and gloo for the distributed prope
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -99,6 +100,8 @@ def test_gpt_ddp_matches_one_process_and_fsdp_checkpointing_and_compile_match_dd
         torch.testing.assert_close(fsdp[name], ddp[name], **TOLERANCE, msg=f"fsdp: {name} differs from ddp")
         torch.testing.assert_close(fsdp_ac[name], fsdp[name], rtol=0, atol=1e-6, msg=f"checkpointing: {name} differs")
         torch.testing.assert_close(compiled[name], fsdp[name], **TOLERANCE, msg=f"compiled blocks, accumulating: {name} differs")
+    # each rank compiled in itself (its 1 thread), not in a pool of a process per core of the machine
+    assert json.loads((tmp_path / "fsdp_compiled" / "plan.json").read_text())["compile_workers_per_process"] == 1
 
 
 def test_a_two_stage_pipeline_of_the_gpt_reaches_one_process(corpus, tmp_path):

@@ -71,6 +71,17 @@ def checkpoint_blocks(model: nn.Module) -> None:
         block.forward = functools.partial(_recomputed, block.forward)
 
 
+def share_compile_workers() -> None:
+    """trainer.compile: inductor compiles in a pool of min(32, cores) processes per rank, each importing torch, so
+    every rank of a node starting one per core of the whole node oversubscribes it (8 ranks on 32 cores: 256
+    processes). A rank's pool is its share of the cores, as its threads are (one: it compiles in itself); the
+    user's TORCHINDUCTOR_COMPILE_THREADS, where set, decides."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        import torch._inductor.config
+
+        torch._inductor.config.compile_threads = torch.get_num_threads()
+
+
 def compile_blocks(model: nn.Module) -> None:
     """trainer.compile under fsdp: each block's forward compiled on its own (as torchtitan does), so FSDP's
     gathers and frees, hooked around each block, stay outside the compiled graphs. After checkpoint_blocks: a

@@ -122,6 +122,8 @@ def fit(run: Run) -> Outcome:
     if env.writes:
         record = {**plan.to_dict(), "hosts": hosts, "threads_per_process": torch.get_num_threads(),
                   "master_addr": os.environ.get("MASTER_ADDR")}  # where the ranks met (an address every node reaches)
+        if cfg.trainer.compile:
+            record["compile_workers_per_process"] = torch._inductor.config.compile_threads
         (run.run_dir / PLAN_FILE).write_text(json.dumps(record, indent=2) + "\n")
     described = describe_plan(cfg, plan, run.strategy.layout, run.scheduler, run.device, env.world_size,
                               progress.step if run.resumed else None)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from train import dist as distributed
-from train.build import add_import_path, build_task_and_model
+from train.build import add_import_path, build_task_and_model, share_compile_workers
 from train.checkpoint import CheckpointManager, checkpoint_dir
 from train.checkpoint.run_state import resume
 from train.checkpoint.state import Progress, seed_rank
@@ -56,6 +56,8 @@ def main(config_path: str | Path) -> Outcome:
     log.addHandler(handler)  # the trainer's own loggers only: the host program's logging stays its own
     log.setLevel(logging.INFO if env.writes else logging.WARNING)
     torch.set_num_threads(cfg.trainer.threads or distributed.default_threads(env))
+    if cfg.trainer.compile:
+        share_compile_workers()
     device = distributed.pick_device(env, cfg.trainer.gpus, cfg.trainer.deterministic)
     set_matmul_precision(cfg.trainer.precision, cfg.trainer.tf32, device)
     backend = distributed.resolve_backend(cfg.trainer.backend, cfg.trainer.gpus)
