@@ -127,6 +127,18 @@ def cluster_started(name: str) -> None:
         pytest.fail(f"the {name} test cluster did not start (exit {status.read_text().strip()}; {log}):\n{tail}")
 
 
+def rank_processes():
+    """The multiprocessing context for a test's own ranks: each forks from one server process that has imported torch
+    and the trainer (started at the first use in this test process, then kept), instead of importing them again
+    (~1.5 s of CPU a rank); and never a fork of the test process itself (its threads, earlier tests' gloo state: such
+    a fork aborted once while collecting garbage, "Fatal Python error: Aborted")."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch.distributed", "train.run"])  # effective where the server is not running yet
+    return context
+
+
 # Small, fast settings for runs that check mechanics rather than accuracy.
 FAST = ["trainer.progress=lines", "trainer.threads=1"]
 

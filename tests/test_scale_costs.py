@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import rank_processes
 from train.checkpoint import dcp
 from train.checkpoint.manager import CheckpointManager
 from train.checkpoint.state import capture_rng, restore_state
@@ -66,11 +67,9 @@ def spawn_ranks(worker, world: int, **shared) -> dict:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    # The manager's server process is started, not forked: a fork of this test process (its threads, torch's and
-    # earlier tests' gloo state) aborted once while collecting garbage in the child ("Fatal Python error: Aborted").
-    with mp.get_context("spawn").Manager() as manager:
+    with rank_processes().Manager() as manager:
         out = manager.dict(shared)
-        mp.spawn(worker, args=(world, port, out), nprocs=world, join=True)
+        mp.start_processes(worker, args=(world, port, out), nprocs=world, join=True, start_method="forkserver")
         return dict(out)
 
 
@@ -248,9 +247,7 @@ def _memory_record(rank: int, world: int, out) -> None:
 def test_the_memory_record_of_a_large_world_stays_a_few_rows():
     """5 keys per rank (2,560 at 512 ranks) in the record and a row per rank in every tracker's table; all-gathered
     onto every rank. Now gathered onto rank 0, which lists rank 0, the last rank and the largest."""
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
+    context = rank_processes()
     out = context.Queue()
     procs = [context.Process(target=_memory_record, args=(rank, world, out)) for world in (64, 512)
              for rank in (0, world - 1)]
