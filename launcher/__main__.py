@@ -31,6 +31,8 @@ def may_start_ranks(args: list[str]) -> bool:
     overrides = dict(arg.lstrip("+~").split("=", 1) for arg in args if "=" in arg and not arg.startswith("-"))
     if overrides.get("trainer.fault_tolerance", "").lower() == "replicas":
         return False  # each replica group's agent forks its own (train.zygote.preloaded)
+    if overrides.get("program", "").lower() == "script":
+        return False  # a script's ranks are the user's own program (ddp_loop), started afresh as torchrun starts them
     return all(overrides.get(key, value).lower() == value for key, value in RANKS_HERE_WITH.items())
 
 

@@ -181,6 +181,18 @@ def test_a_ddp_launch_does_not_import_what_only_sharding_needs():
     assert out.stdout.strip() == "False"
 
 
+def test_the_jobs_command_starts_without_torch():
+    """`python -m launcher.jobs status|logs|stop` reads a run's files and asks its scheduler: importing torch cost it
+    ~1.5 s of CPU per call (through train.observe.metrics, for a type annotation)."""
+    import subprocess
+    import sys
+
+    script = "import sys, launcher.tools.jobs; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_the_collector_is_off_only_while_a_process_imports():
     """The launcher and the ranks import with the garbage collector off (~0.45 s of CPU per process): it must be on
     again once their imports are done, or every object cycle a run makes would stay until exit."""

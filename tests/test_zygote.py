@@ -97,7 +97,8 @@ def test_only_a_command_that_may_start_ranks_here_forks_a_zygote():
     assert may_start_ranks(["launcher.dry_run=true"])  # its forecasts of the ranks are forked
     for words in (["--cfg", "job"], ["--help"], ["launcher=slurm"], ["+launcher=ray"],
                   ["launcher.preload_ranks=False"], ["launcher.name=slurm"],
-                  ["trainer.fault_tolerance=replicas"]):  # each group's agent forks its own
+                  ["trainer.fault_tolerance=replicas"],  # each group's agent forks its own
+                  ["program=script", "program.script=train_loop.py"]):  # the user's program, not the trainer's fork
         assert not may_start_ranks(words), words
 
 

@@ -16,10 +16,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from train.dist import DistEnv
 from train.files import replace_text
 from train.observe.trackers import TrackedRun
+
+if TYPE_CHECKING:  # torch: `python -m launcher.jobs` reads metrics.jsonl through this module without importing it
+    from train.dist import DistEnv
 
 METRICS_FILE = "metrics.jsonl"
 NOT_CURVES = ("epoch", "restarts", "async", "load_s", "profiled")  # in metrics.jsonl; notes or hparams elsewhere
