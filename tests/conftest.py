@@ -139,6 +139,17 @@ def rank_processes():
     return context
 
 
+def run_ranks(worker, world: int, *args, shared: dict | None = None) -> dict:
+    """Run `worker(rank, *args, out)` in `world` processes of rank_processes(); `out` starts as `shared` and holds
+    what the ranks put there."""
+    import torch.multiprocessing as mp
+
+    with rank_processes().Manager() as manager:
+        out = manager.dict(shared or {})
+        mp.start_processes(worker, args=(*args, out), nprocs=world, join=True, start_method="forkserver")
+        return dict(out)
+
+
 # Small, fast settings for runs that check mechanics rather than accuracy.
 FAST = ["trainer.progress=lines", "trainer.threads=1"]
 

@@ -8,12 +8,10 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from conftest import rank_processes
-
+from conftest import run_ranks
 from train.data.build import build_eval_batches
 from train.config import DataConfig, TrainerConfig
 from train.data.sets import TensorData
@@ -79,11 +77,7 @@ def _worker(rank: int, world: int, batch_size: int, lockstep: bool, source: str,
 @pytest.mark.parametrize("source", ["memory", "loader"])
 @pytest.mark.parametrize("world,batch_size,lockstep", [(2, 16, False), (3, 16, False), (3, 11, True)])
 def test_distributed_eval_equals_single_process_eval(tmp_path, world, batch_size, lockstep, source):
-    with rank_processes().Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_worker, args=(world, batch_size, lockstep, source, str(tmp_path / "store"), out), nprocs=world,
-                           join=True, start_method="forkserver")
-        results = dict(out)
+    results = run_ranks(_worker, world, world, batch_size, lockstep, source, str(tmp_path / "store"))
     expected = reference()
     for rank in range(world):
         assert results[rank]["acc"] == expected["acc"]  # every sample counted exactly once: a duplicate would move it

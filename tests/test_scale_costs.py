@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import rank_processes
+from conftest import rank_processes, run_ranks
 from train.checkpoint import dcp
 from train.checkpoint.manager import CheckpointManager
 from train.checkpoint.state import capture_rng, restore_state
@@ -62,15 +62,10 @@ def spawn_ranks(worker, world: int, **shared) -> dict:
     `shared` and holds what the ranks put there."""
     import socket
 
-    import torch.multiprocessing as mp
-
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with rank_processes().Manager() as manager:
-        out = manager.dict(shared)
-        mp.start_processes(worker, args=(world, port, out), nprocs=world, join=True, start_method="forkserver")
-        return dict(out)
+    return run_ranks(worker, world, world, port, shared=shared)
 
 
 def join_group(rank: int, world: int, port: int, timeout_s: int = 60) -> None:
