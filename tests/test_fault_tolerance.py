@@ -237,3 +237,20 @@ def test_a_replica_groups_gpus_are_taken_from_those_its_node_was_given():
     assert group_devices("GPU-a1,GPU-b2", 1, 1) == "GPU-b2"  # UUIDs, as some schedulers set them
     with pytest.raises(SystemExit, match="needs GPUs 2..3 of the 2 this process was given"):
         group_devices("4,5", 1, 2)
+
+
+def test_a_node_back_after_a_loss_takes_its_own_place_and_so_its_own_groups(monkeypatch):
+    """Each node but the first counted itself in at the meeting store, so n2, lost and started again, came back as
+    node 2 of 2 and ran replica group 2 of a run of groups 0 and 1 ("Invalid rank 2", the matrix's
+    nodes-replicas-lost). A node's place is kept by its host name."""
+    from torch.distributed import TCPStore
+
+    from launcher.backends.lighthouse import take_place
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for host, place in (("n2", 1), ("n3", 2), ("n2", 1)):  # n2 again, after a loss
+        monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
+        assert take_place(store, 3) == place
+    monkeypatch.setattr(socket, "gethostname", lambda: "n4")
+    with pytest.raises(RuntimeError, match="n4 joins a run of trainer.nodes=3 whose 3 nodes have all been here"):
+        take_place(store, 3)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tracker_records
-from conftest import (FAST, final_checkpoint, fault_env, kill_leftovers, logged_steps, process_named, read_metrics, run_cli,
+from conftest import (FAST, REPO, final_checkpoint, fault_env, kill_leftovers, logged_steps, process_named, read_metrics, run_cli,
                       signalled_launch, wait_for)
 from test_ddp_identity import IDENTITY, RESUME
 from train.observe.status import read_status
@@ -212,28 +212,69 @@ class Boom(nn.Module):
 """
 
 
+def rank_failure(folder, rank: int, text: str, at: int) -> dict:
+    """What a node's agent holds of its rank `rank` failing with `text` at time `at` (its error file)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = folder / f"error{rank}.json"
+    error_file.write_text(json.dumps({"message": {"message": text, "extraInfo": {"py_callstack": "", "timestamp": str(at)}}}))
+    return {rank: ProcessFailure(0, 100 + rank, 1, str(error_file))}
+
+
+CAUSE = (1, "ValueError: the user's model broke")
+PEER_LOST = (0, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:41600")
+
+
 def test_status_keeps_the_rank_that_failed_by_itself_whichever_nodes_agent_writes_first(tmp_path):
     """Each node's agent writes its own ranks' failure: node 0's rank 0 only lost its peer (gloo's "Connection
     closed by peer") when node 1's rank 1 raised, and wrote last on Ray, hiding the user's error (the matrix's
     ray-fsdp-fail)."""
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
     from launcher.backends.local import note_failure
     from train.observe.status import read_status
 
-    def failure(rank: int, text: str, at: int) -> dict:
-        error_file = tmp_path / f"error{rank}.json"
-        error_file.write_text(json.dumps({"message": {"message": text, "extraInfo": {"py_callstack": "", "timestamp": str(at)}}}))
-        return {rank: ProcessFailure(0, 100 + rank, 1, str(error_file))}
-
-    cause = failure(1, "ValueError: the user's model broke", at=1000)
-    lost = failure(0, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:41600", at=1000)
+    cause, lost = rank_failure(tmp_path, *CAUSE, at=1000), rank_failure(tmp_path, *PEER_LOST, at=1000)
     for order in ((cause, lost), (lost, cause)):
         run_dir = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
         run_dir.mkdir()
         for failures in order:
             note_failure(run_dir, failures)
         assert read_status(run_dir)["error"] == "rank 1 failed, exit code 1: ValueError: the user's model broke"
+
+
+HOLD_STATUS = """import sys
+from pathlib import Path
+from train.observe.status import status_held, write_status
+with status_held(Path(sys.argv[1])):
+    print("held", flush=True)
+    sys.stdin.readline()
+    write_status(Path(sys.argv[1]), "failed", error=sys.argv[2], first_failed=[False, 1000])
+"""
+
+
+def test_nodes_reporting_at_once_do_not_both_read_status_before_either_writes(tmp_path):
+    """Two nodes' launchers reported their ranks' failures in the same moment: node 0 read status.json, node 1 wrote
+    its rank's own error, node 0 wrote its rank's lost peer over it (the matrix's nodes-fsdp-fail). A report reads
+    and writes with the file held: node 0's waits for node 1's, then sees it and keeps it."""
+    import threading
+
+    from launcher.backends.local import note_failure
+    from train.observe.status import read_status
+
+    cause = "rank 1 failed, exit code 1: ValueError: the user's model broke"
+    other_node = subprocess.Popen([sys.executable, "-c", HOLD_STATUS, str(tmp_path), cause], cwd=REPO,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other_node.stdout.readline().strip() == "held"
+        report = threading.Thread(target=note_failure, args=(tmp_path, rank_failure(tmp_path, *PEER_LOST, at=1000)))
+        report.start()
+        report.join(timeout=2)
+        assert report.is_alive() and not (tmp_path / "status.json").exists()  # before: written at once
+        other_node.communicate("go\n", timeout=30)
+        report.join(timeout=30)
+    finally:
+        other_node.kill()
+    assert other_node.returncode == 0
+    assert read_status(tmp_path)["error"] == cause
 
 
 def test_ranks_that_fail_alike_print_one_traceback_and_a_line_each(tmp_path):

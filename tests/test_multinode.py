@@ -25,12 +25,15 @@ RUN = [*FAST, "data=synthetic", "data.num_samples=512", "data.batch_size=16", "m
        "trainer.nodes=2", "trainer.procs_per_node=1", "trainer.max_steps=20", "trainer.eval_every=0"]
 
 
-def node(name: str, hosts, overrides: list[str], cwd, log, env: dict | None = None):
-    """`python -m launcher` as node `name`: its own host name, and /etc/hosts replaced by `hosts` for it only."""
+def node(name: str, hosts, overrides: list[str], cwd, log, env: dict | None = None, launch: tuple = (),
+         session: bool = False):
+    """`python -m launcher` (or `launch`) as node `name`: its own host name, and /etc/hosts replaced by `hosts` for
+    it only; `session`: in a session of its own, as from a terminal of its own."""
     script = f'hostname {name} && mount --bind {hosts} /etc/hosts && exec "$0" "$@"'
     command = ["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", script,
-               sys.executable, "-m", "launcher", *overrides]
-    return subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+               *(launch or (sys.executable, "-m", "launcher")), *overrides]
+    return subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=session)
 
 
 @contextlib.contextmanager

@@ -104,14 +104,20 @@ def default_threads(env: DistEnv) -> int:
 
 
 ATTEMPT_KEY = "train/attempt"
+# The rendezvous round the workers were started in, set by the launcher's agent: the same on every node. A node's
+# restart count is its own: a node that comes back after being lost counts from 0 while the others count on.
+ROUND_ENV = "TRAIN_RENDEZVOUS_ROUND"
 
 
 def attempt_id() -> str | None:
     """What names this attempt of this run, the same on all its ranks: the elastic agent's run id (torchrun, the
-    launcher) or SLURM's job, with the restart count; None where neither says."""
-    for run, restarts in (("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"), ("SLURM_JOB_ID", "SLURM_RESTART_COUNT")):
-        if os.environ.get(run):
-            return f"{os.environ[run]}:{os.environ.get(restarts, '0')}"
+    launcher) with its rendezvous round (the launcher's agent) or restart count (torchrun's), or SLURM's job with its
+    restart count; None where neither says."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        attempt = os.environ.get(ROUND_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return f"{os.environ['TORCHELASTIC_RUN_ID']}:{attempt}"
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"{os.environ['SLURM_JOB_ID']}:{os.environ.get('SLURM_RESTART_COUNT', '0')}"
     return None
 
 

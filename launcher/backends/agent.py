@@ -50,6 +50,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
 
 from launcher.backends.network import hold_free_port
+from train.dist import ROUND_ENV
 from train.fault_tolerance import REPLICA_GROUP_ENV
 from train.finite import NONFINITE_EXIT_CODE
 from train.observe.watchdog import HANG_EXIT_CODE
@@ -177,6 +178,14 @@ def stopped_below(root: int) -> dict[int, str]:
     return stopped
 
 
+def resumes() -> str:
+    """Where restarted workers take the run from."""
+    group = os.environ.get(REPLICA_GROUP_ENV)
+    if group is not None:
+        return f"replica group {group} rejoins the others and takes a live group's weights (it heals; no checkpoint is read)"
+    return "training resumes from the newest checkpoint"
+
+
 class Agent(LocalElasticAgent):
     def __init__(self, *args, shutdown_timeout: int = 30, frozen_after_s: float = 0.0, hang_dir: Path | None = None,
                  **kwargs):
@@ -187,6 +196,29 @@ class Agent(LocalElasticAgent):
         self.frozen_after_s, self.hang_dir = frozen_after_s, hang_dir
         self.stopped_since: dict[int, float] = {}
         self.looked_at = 0.0
+        self.restarting = False
+
+    def _rendezvous(self, worker_group) -> None:
+        super()._rendezvous(worker_group)
+        # The round the nodes just met in names the workers' attempt (train/dist.py attempt_id): the same on every
+        # node, where the restart count is each node's own (a node back after a loss counts from 0). The handler's
+        # state is private: where it is not there, the workers fall back to the restart count.
+        try:
+            os.environ[ROUND_ENV] = str(worker_group.spec.rdzv_handler._state_holder.state.round)
+        except AttributeError:
+            os.environ.pop(ROUND_ENV, None)
+
+    def _stop_workers(self, worker_group, *args, **kwargs) -> None:
+        # torch stops running workers here only to restart them: for a node that joins (or comes back) while they
+        # train, or after a failure. Said here, not as the stop a signal makes (`_shutdown`).
+        self.restarting = True
+        if self._pcontext and self._pcontext.wait(0) is None:
+            print(f"a node joins the run (or is back): the workers stop and start again with every node, not counted "
+                  f"as a restart; {resumes()}", file=sys.stderr, flush=True)
+        try:
+            super()._stop_workers(worker_group, *args, **kwargs)
+        finally:
+            self.restarting = False
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
@@ -200,10 +232,7 @@ class Agent(LocalElasticAgent):
             spec = worker_group.spec
             number = spec.max_restarts - self._remaining_restarts + 1
             print(failure_report(result.failures), file=sys.stderr, flush=True)
-            group = os.environ.get(REPLICA_GROUP_ENV)
-            resumes = (f"replica group {group} rejoins the others and takes a live group's weights (it heals; no "
-                       f"checkpoint is read)" if group is not None else "training resumes from the newest checkpoint")
-            print(f"restarting the workers (restart {number} of {spec.max_restarts}); {resumes}", file=sys.stderr,
+            print(f"restarting the workers (restart {number} of {spec.max_restarts}); {resumes()}", file=sys.stderr,
                   flush=True)
         return result
 
@@ -240,7 +269,7 @@ class Agent(LocalElasticAgent):
         for name in SIGNALS_TO_HANDLE.split(","):
             signal.signal(signal.Signals[name], self._kill_workers)
         forwarded = FORWARDED_AS.get(death_sig, death_sig)
-        if self._pcontext and self._pcontext.wait(0) is None:  # still running: a signal stops them, not their end
+        if self._pcontext and self._pcontext.wait(0) is None and not self.restarting:  # a signal stops them
             # Said here, not by the workers' handlers (which only set a flag) nor by a rank that may be stuck.
             print(f"{signal.Signals(death_sig).name}: the workers save a checkpoint at the next step boundary and stop "
                   f"(up to launcher.shutdown_timeout_s={timeout}); send it again to stop them at once", file=sys.stderr, flush=True)

@@ -36,9 +36,10 @@ class Meeting:
 
 
 @contextlib.contextmanager
-def meeting_place(cfg: Config, first: bool | None = None) -> Iterator[Meeting]:
+def meeting_place(cfg: Config, first: bool | None = None, place: int | None = None) -> Iterator[Meeting]:
     """The Lighthouse and the store of this run, as this node sees them (see the module's doc). `first`: whether
-    this node hosts them, where a scheduler says so (SLURM's node 0); else by the endpoint's host."""
+    this node hosts them, where a scheduler says so (SLURM's node 0); else by the endpoint's host. `place`: this
+    node's place among the nodes, where a scheduler numbers them (SLURM_NODEID); else `take_place`."""
     from torch.distributed import TCPStore
 
     if cfg.trainer.nodes == 1:
@@ -63,13 +64,30 @@ def meeting_place(cfg: Config, first: bool | None = None) -> Iterator[Meeting]:
         lighthouse, address = start_lighthouse(cfg, "0.0.0.0", advertise=host)
         store.set("lighthouse", address)
     try:
-        node = 0 if first else store.add("nodes joined", 1)
+        node = 0 if first else place if place is not None else take_place(store, cfg.trainer.nodes)
         yield Meeting(node, store.get("lighthouse").decode(), f"{host}:{port}")
     finally:
         store.add("nodes ended", 1)
         if lighthouse is not None:
             _wait_for_every_node(store, cfg.trainer.nodes, cfg.launcher.rdzv_timeout_s)
             lighthouse.kill()
+
+
+def take_place(store, nodes: int) -> int:
+    """This node's place among the run's nodes (its replica groups follow from it): the place it had if it was here
+    before, by its host name (a node back after a loss runs its own groups again, which heal from the others),
+    else the next one. One launcher per host holds the run directory, so no two claim one name."""
+    host = socket.gethostname()
+    if store.check([f"place of {host}"]):
+        return int(store.get(f"place of {host}"))
+    place = store.add("nodes joined", 1)
+    if place >= nodes:
+        raise RuntimeError(
+            f"{host} joins a run of trainer.nodes={nodes} whose {nodes} nodes have all been here: a node that comes "
+            f"back after a loss must keep its host name (its replica groups are known by it). Run it on the lost node "
+            f"(or a machine given its host name), or start the run anew in another run directory.")
+    store.set(f"place of {host}", str(place))
+    return place
 
 
 def _wait_for_every_node(store, nodes: int, timeout_s: float) -> None:

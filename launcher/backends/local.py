@@ -58,7 +58,7 @@ from train.dist import available_cores
 from train.fault_tolerance import REPLICA_GROUP_ENV, START_STORE_ENV
 from train.finite import NONFINITE_EXIT_CODE
 from train.host import PARENT_ENV
-from train.observe.status import ALIVE_FILE, read_status, write_status
+from train.observe.status import ALIVE_FILE, read_status, status_held, write_status
 from train.parallel.layout import procs_per_node
 
 
@@ -188,10 +188,11 @@ def record_failure(run_dir: Path, error: str, order: tuple[bool, float]) -> None
     """status.json "failed" with `error`, unless it holds one that came first. Every node's agent (every SLURM task)
     reports its own ranks: a rank that failed by itself wins over one that only lost a peer to it (order: whether it
     lost a peer, when it failed), then the earlier."""
-    said = read_status(run_dir)
-    if said.get("status") == "failed" and said.get("first_failed", [True, float("inf")]) <= list(order):
-        return
-    write_status(run_dir, "failed", error=error, first_failed=list(order))
+    with status_held(run_dir):
+        said = read_status(run_dir)
+        if said.get("status") == "failed" and said.get("first_failed", [True, float("inf")]) <= list(order):
+            return
+        write_status(run_dir, "failed", error=error, first_failed=list(order))
 
 
 def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig | None = None) -> int:
@@ -251,13 +252,13 @@ def others_finish(run_dir: Path, quiet_s: float) -> None:
         time.sleep(1)
 
 
-def launch_replica_groups(cfg: Config, snapshot: Path, first: bool | None = None) -> int:
+def launch_replica_groups(cfg: Config, snapshot: Path, first: bool | None = None, place: int | None = None) -> int:
     """trainer.fault_tolerance=replicas: where the groups meet (launcher/backends/lighthouse.py; `first`: this node hosts it,
-    where a scheduler says which node is first), then one agent per replica group of this node (launcher/backends/replicas.py),
+    `place`: this node's number, where a scheduler says them), then one agent per replica group of this node (launcher/backends/replicas.py),
     each restarting its own group (launcher.max_restarts); every group to its end. The exit code is the worst group's
     (0: all finished)."""
     groups = []
-    with meeting_place(cfg, first) as meeting:
+    with meeting_place(cfg, first, place) as meeting:
         try:
             per_node = cfg.trainer.replica_groups // cfg.trainer.nodes
             mine = range(meeting.node * per_node, (meeting.node + 1) * per_node)

@@ -254,7 +254,8 @@ class SlurmReplicaNode:
         try:
             # Node 0 of the job hosts the meeting: SLURM says which node that is (MASTER_ADDR is its name in the
             # node list, "n1", which need not be what gethostname() says there, "n1.cluster.local")
-            code = launch_replica_groups(cfg, Path(self.snapshot), first=first)
+            code = launch_replica_groups(cfg, Path(self.snapshot), first=first,
+                                         place=int(os.environ["SLURM_NODEID"]) if "SLURM_NODEID" in os.environ else None)
         finally:
             if renewer:
                 renewer.stop(release_lease=True)

@@ -5,19 +5,21 @@ Every cell runs the user's project in tests/conformance/project: their own model
 read POINTS_DELAY_S late so that a run lasts long enough to act on) beside their own train.py and launcher.py,
 which must never run in place of ours; it is launched as docs/your-code.md says for such a project (`ddp-launch`).
 
-    backends    local (one node, 2 processes), slurm (the test cluster, 2 nodes x 1), ray (the test cluster, 2 x 1)
+    backends    local (one node, 2 processes), nodes (two launchers by rendezvous, each in namespaces of its own as
+                a node, 2 x 1), slurm (the test cluster, 2 nodes x 1), ray (the test cluster, 2 x 1)
     modes       ddp, fsdp, replicas (2 replica groups of one rank, torchft)
     conditions  stop    a stop as the backend delivers it (a terminal's Ctrl-C: SIGINT to the launcher's process
-                        group; `scancel`; `ray job stop`): a checkpoint at a step, status.json "stopped", the
+                        group, on each node; `scancel`; `ray job stop`): a checkpoint at a step, status.json "stopped", the
                         documented end; the same command again resumes and ends with the uninterrupted run's weights
-                kill    rank 1, found by its process name, SIGKILLed: the documented restart (local, Ray: the group or
+                kill    rank 1, found by its process name, SIGKILLed: the documented restart (local, nodes, Ray: the group or
                         every node restarts from the checkpoint; SLURM: the job fails naming the rank and the same
                         command resumes; replica groups: the group restarts alone and heals from the live one)
                 freeze  rank 0 SIGSTOPped: a hang report names it within trainer.hang_timeout_s and a bound, and the
                         run goes on as after a kill
                 fail    the user's model raises on rank 1: its own traceback reaches the user's output and status.json
-                lost    a node's processes gone (Ray: the test cluster's kill-worker): every node restarts from the
-                        checkpoint, the uninterrupted run's weights
+                lost    a node's processes gone (Ray: the test cluster's kill-worker; nodes: n2's, then the same
+                        command on n2 again): every node restarts from the checkpoint (replica groups: the lost
+                        node's group heals), the uninterrupted run's weights
 
 CI runs the cells of `CI_CELLS`; `MATRIX=all python -m pytest -n0 tests/conformance` runs the whole matrix (with the
 test clusters started: slurm/test-cluster.sh and ray-cluster/test-cluster.sh) and prints its table at the end.
@@ -26,6 +28,7 @@ A new backend or mode is one entry of BACKENDS or MODES; a cell that cannot appl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -71,7 +74,7 @@ CONDITIONS = ("stop", "kill", "freeze", "fail", "lost")
 
 NOT_APPLICABLE = {
     ("local", "lost"): "one node: losing it is losing the run (its processes gone is the kill cell); two nodes by "
-                       "rendezvous: tests/test_multinode.py",
+                       "rendezvous: the nodes row",
     ("slurm", "lost"): "the test cluster's two nodes are one host's slurmd processes: SLURM's own NODE_FAIL and "
                        "requeue cannot be produced here",
 }
@@ -81,7 +84,7 @@ NOT_APPLICABLE = {
 CI_CELLS = {
     ("local", "ddp", "stop"), ("local", "fsdp", "freeze"), ("local", "replicas", "stop"), ("local", "replicas", "freeze"),
     ("slurm", "ddp", "freeze"), ("slurm", "ddp", "fail"), ("slurm", "replicas", "fail"),
-    ("ray", "ddp", "lost"), ("ray", "ddp", "fail"), ("ray", "replicas", "fail"),
+    ("ray", "ddp", "lost"), ("ray", "ddp", "fail"), ("ray", "replicas", "fail"), ("nodes", "ddp", "lost"),
 }
 
 
@@ -131,9 +134,15 @@ class Backend:
         return None
 
     def lock(self):
-        import contextlib
-
         return contextlib.nullcontext()
+
+    def lose_node(self, launch: Launch) -> None:
+        """A node of the run gone at once, as when its machine dies."""
+        raise NotImplementedError
+
+    def return_node(self, launch: Launch) -> None:
+        """The lost node back, as an operator or the cluster brings it."""
+        raise NotImplementedError
 
 
 class Local(Backend):
@@ -164,6 +173,74 @@ class Local(Backend):
 
     def output(self, launch):
         return launch.output.read_text(errors="replace")
+
+
+class Nodes(Backend):
+    """Two nodes by rendezvous, no scheduler: the same command on n1 and n2 (tests/test_multinode.py: each launcher
+    in namespaces of its own, with its own host name), each from a terminal of its own."""
+
+    name = "nodes"
+    layout = ["trainer.nodes=2", "trainer.procs_per_node=1", "launcher.rdzv_timeout_s=120"]
+    finished, stopped, failed = 0, 130, 1
+
+    def available(self):
+        return None if os.geteuid() == 0 and _which("unshare") else "needs root and unshare (namespaces, as CI has)"
+
+    def start(self, run_dir, overrides, env):
+        from test_multinode import free_port
+
+        hosts = run_dir.parent / "hosts"
+        hosts.write_text("127.0.0.1 localhost\n127.0.0.2 n1\n127.0.0.3 n2\n")
+        command = [*RUN, *self.layout, f"launcher.rdzv_endpoint=n1:{free_port()}", *overrides,
+                   f"hydra.run.dir={run_dir}"]
+        launch = Launch(run_dir, command, extra={"hosts": hosts, "env": {**os.environ, **env}, "nodes": {}, "logs": []})
+        for name in ("n1", "n2"):
+            self.start_node(launch, name)
+        launch.proc = launch.extra["nodes"]["n1"]
+        return launch
+
+    def start_node(self, launch: Launch, name: str) -> None:
+        from test_multinode import node
+
+        log = launch.run_dir.parent / f"{launch.run_dir.name}-{name}-{len(launch.extra['logs'])}.log"
+        with open(log, "w") as out:
+            launch.extra["nodes"][name] = node(name, launch.extra["hosts"], launch.command, PROJECT, out,
+                                               env=launch.extra["env"], launch=(DDP_LAUNCH,), session=True)
+        launch.extra["logs"].append(log)
+
+    def wait(self, launch, timeout=240):
+        """Both nodes' exit code where they agree, else both."""
+        deadline = time.monotonic() + timeout
+        try:
+            codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in launch.extra["nodes"].values()]
+        except subprocess.TimeoutExpired:
+            return f"still running after {timeout:.0f} s"
+        finally:
+            for p in launch.extra["nodes"].values():
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        return codes[0] if len(set(codes)) == 1 else codes
+
+    def stop(self, launch):
+        for p in launch.extra["nodes"].values():  # a Ctrl-C in each node's terminal
+            os.killpg(p.pid, signal.SIGINT)
+
+    def rank_pid(self, launch, name):
+        return named(name, [d for p in launch.extra["nodes"].values() for d in descendants(p.pid)])
+
+    def output(self, launch):
+        return "\n".join(f"--- {log.name}\n" + log.read_text(errors="replace") for log in launch.extra["logs"])
+
+    def lose_node(self, launch):
+        """n2's processes gone at once, as when its machine dies; then n2 starts again with the same command."""
+        n2 = launch.extra["nodes"]["n2"]
+        for pid in [n2.pid, *descendants(n2.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        n2.wait()
+
+    def return_node(self, launch):
+        self.start_node(launch, "n2")
 
 
 class Slurm(Backend):
@@ -268,6 +345,12 @@ class Ray(Backend):
         subprocess.run([ray, "job", "stop", "--address", RAY_ADDRESS, "--no-wait", launch.job], check=True, timeout=60,
                        capture_output=True)
 
+    def lose_node(self, launch):
+        subprocess.run([str(REPO / "ray-cluster" / "test-cluster.sh"), "kill-worker"], check=True, timeout=30)  # SIGKILL
+
+    def return_node(self, launch):
+        subprocess.run([str(REPO / "ray-cluster" / "test-cluster.sh"), "start-worker"], check=True, timeout=120)
+
     def rank_pid(self, launch, name):
         # Ray's workers run under the raylets; the cluster serves one test at a time (its lock)
         raylets = [int(p) for p in os.listdir("/proc") if p.isdigit() and "/raylet" in _cmdline(p).split(" ")[0]]
@@ -299,7 +382,7 @@ def _cmdline(pid: str) -> str:
         return ""
 
 
-BACKENDS = {b.name: b for b in (Local(), Slurm(), Ray())}
+BACKENDS = {b.name: b for b in (Local(), Nodes(), Slurm(), Ray())}
 CELLS = [(b, m, c) for b in BACKENDS for m in MODES for c in CONDITIONS]
 RESULTS: dict[tuple, str] = {}
 
@@ -453,18 +536,19 @@ def fail(backend: Backend, mode: str, run_dir: Path, reference) -> None:
 
 
 def lost(backend: Backend, mode: str, run_dir: Path, reference) -> None:
-    cluster = REPO / "ray-cluster" / "test-cluster.sh"
     first = backend.start(run_dir, [*MODES[mode], *backend.restarts(mode, 2)], {"POINTS_DELAY_S": "0.01"})
     act_when_training(first)
     try:
-        subprocess.run([str(cluster), "kill-worker"], check=True, timeout=30)  # SIGKILL: the node is gone
+        backend.lose_node(first)
     finally:
-        subprocess.run([str(cluster), "start-worker"], check=True, timeout=120)  # and comes back
+        backend.return_node(first)
     ended = backend.wait(first)
     text = backend.output(first)
     no_shadow(text)
     assert ended == backend.finished, f"ended {ended!r}\n{text[-4000:]}"
     assert "resumed at step" in text or "healed from a live replica group" in text
+    # The node that came back joins the others' attempt: its restart count is its own (0), not theirs
+    assert "serves another run" not in text, text[-4000:]
     if mode != "replicas":
         assert_weights(final_checkpoint(run_dir), reference(mode), f"{backend.name} {mode}: a node lost")
 

@@ -7,9 +7,10 @@ or is submitted to SLURM. A re-run skips a finished run whose config did not cha
 from __future__ import annotations
 
 import contextlib
-
+import fcntl
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from train.files import replace_text
@@ -18,6 +19,8 @@ STATUS_FILE = "status.json"
 # RUN_DIR/.alive: its modification time is the last sign of life of any group's (or a script's) ranks, for a node
 # that waits for the others to finish (launcher/backends/local.py others_finish); ddp_loop.py names it the same
 ALIVE_FILE = ".alive"
+# RUN_DIR/.status.lock: held around a read of status.json and the write that depends on it
+STATUS_LOCK = ".status.lock"
 
 
 def write_status(run_dir: Path, status: str, **details) -> None:
@@ -30,6 +33,16 @@ def read_status(run_dir: Path) -> dict:
         return json.loads((run_dir / STATUS_FILE).read_text())
     except (FileNotFoundError, ValueError):
         return {}
+
+
+@contextlib.contextmanager
+def status_held(run_dir: Path) -> Iterator[None]:
+    """status.json to read and rewrite with no other writer in between: every node's launcher (every SLURM task)
+    reports its own ranks' failure at once, and the first cause must not be overwritten by a node that read the file
+    before it was written. A POSIX record lock, which shared file systems (NFS) pass between machines."""
+    with open(Path(run_dir) / STATUS_LOCK, "a") as lock:
+        fcntl.lockf(lock, fcntl.LOCK_EX)
+        yield
 
 
 def mark_alive(run_dir: Path) -> None:
