@@ -53,6 +53,7 @@ from launcher.backends.network import hold_free_port
 from train.dist import ROUND_ENV
 from train.fault_tolerance import REPLICA_GROUP_ENV
 from train.finite import NONFINITE_EXIT_CODE
+from train.observe.status import read_status
 from train.observe.watchdog import HANG_EXIT_CODE
 
 # The agent turns these into SignalException and forwards them to the workers, which save and stop.
@@ -188,7 +189,7 @@ def resumes() -> str:
 
 class Agent(LocalElasticAgent):
     def __init__(self, *args, shutdown_timeout: int = 30, frozen_after_s: float = 0.0, hang_dir: Path | None = None,
-                 **kwargs):
+                 run_dir: Path | None = None, **kwargs):
         if AGENT_TAKES_SHUTDOWN_TIMEOUT:
             kwargs["shutdown_timeout"] = shutdown_timeout
         super().__init__(*args, **kwargs)
@@ -197,6 +198,8 @@ class Agent(LocalElasticAgent):
         self.stopped_since: dict[int, float] = {}
         self.looked_at = 0.0
         self.restarting = False
+        self.run_dir, self.started = run_dir, time.time()
+        self.run_dir, self.started = run_dir, time.time()
 
     def _rendezvous(self, worker_group) -> None:
         super()._rendezvous(worker_group)
@@ -219,6 +222,22 @@ class Agent(LocalElasticAgent):
             super()._stop_workers(worker_group, *args, **kwargs)
         finally:
             self.restarting = False
+
+    def stopped_elsewhere(self) -> bool:
+        """Whether the run was stopped (status.json, since this agent started) while this node's workers ended well:
+        a signal to another node's launcher, which every node's ranks stopped on at the same step. That launcher
+        may have ended already, and the rendezvous store it hosted with it."""
+        if self.run_dir is None:
+            return False
+        said = read_status(self.run_dir)
+        return said.get("status") == "stopped" and said.get("time", 0) >= self.started
+
+    def _exit_barrier(self) -> None:
+        # The barrier keeps every node's agent until all their workers have ended; after a stop they have (at the
+        # same step), and the store it waits in may be gone with the signalled node: torch's C++ and Python
+        # tracebacks of a barrier that lost its store, on a node that ends well.
+        if not self.stopped_elsewhere():
+            super()._exit_barrier()
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
@@ -430,16 +449,17 @@ class HeldMasterPort:
 
 
 def run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_after_s: float = 0.0,
-              hang_dir: Path | None = None, agent_store: bool = False) -> None:
+              hang_dir: Path | None = None, agent_store: bool = False, run_dir: Path | None = None) -> None:
     """Run the worker group to completion; raise ChildFailedError when it fails for good. A worker stopped for
-    `frozen_after_s` (0: never) fails the group as a hang, said in `hang_dir`. `agent_store`: the workers are
+    `frozen_after_s` (0: never) fails the group as a hang, said in `hang_dir`. `run_dir`: where status.json tells
+    whether the run was stopped. `agent_store`: the workers are
     given the agent's rendezvous store as MASTER_ADDR:MASTER_PORT, as torchrun gives it (a script's own loop);
     else rank 0 serves a fresh store per attempt (the trainer, train/dist.py)."""
     master_port, free_port = HeldMasterPort(), getattr(rendezvous_api, "get_free_port", None)
     if free_port is not None:  # where torch has it (where not, its own way of picking the port runs)
         rendezvous_api.get_free_port = master_port
     try:
-        _run_agent(config, entrypoint, args, frozen_after_s, hang_dir, agent_store)
+        _run_agent(config, entrypoint, args, frozen_after_s, hang_dir, agent_store, run_dir)
     finally:
         if free_port is not None:
             rendezvous_api.get_free_port = free_port
@@ -447,7 +467,7 @@ def run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_aft
 
 
 def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_after_s: float,
-               hang_dir: Path | None, agent_store: bool) -> None:
+               hang_dir: Path | None, agent_store: bool, run_dir: Path | None) -> None:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(Repeated())
     if extensions_supported():
         dynamic_rendezvous.get_method_name = caller_name
@@ -486,7 +506,7 @@ def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_af
               file=sys.stderr, flush=True)
         agent_class = LocalElasticAgent
     timeout = {"shutdown_timeout": config.shutdown_timeout} if agent_class is Agent or AGENT_TAKES_SHUTDOWN_TIMEOUT else {}
-    frozen = {"frozen_after_s": frozen_after_s, "hang_dir": hang_dir} if agent_class is Agent else {}
+    frozen = {"frozen_after_s": frozen_after_s, "hang_dir": hang_dir, "run_dir": run_dir} if agent_class is Agent else {}
     agent = agent_class(spec=spec, logs_specs=config.logs_specs, **timeout, **frozen)
     close_rendezvous = True
     try:
@@ -498,5 +518,5 @@ def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_af
         error.failures = agent.failures_while_stopping() if isinstance(agent, Agent) else {}  # for the report
         raise
     finally:
-        if close_rendezvous:
+        if close_rendezvous and not (isinstance(agent, Agent) and agent.stopped_elsewhere()):
             spec.rdzv_handler.shutdown()

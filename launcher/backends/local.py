@@ -102,7 +102,7 @@ def launch_local(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfi
     # The workers die with this process (train/__main__.py): if it is killed, its lease may be taken over at once.
     os.environ[PARENT_ENV] = str(os.getpid())
     frozen = {"frozen_after_s": cfg.trainer.hang_timeout_s + FROZEN_MARGIN_S if cfg.trainer.hang_timeout_s else 0.0,
-              "hang_dir": run_dir / "hang"}
+              "hang_dir": run_dir / "hang", "run_dir": run_dir}
     if cfg.program.name == "script":  # the user's own loop, from the launch directory, as torchrun runs it
         os.environ.update(script_env(cfg, run_dir))
         # As torchrun: the ranks' MASTER_ADDR:MASTER_PORT is the agent's store (TORCHELASTIC_USE_AGENT_STORE), which
@@ -240,6 +240,21 @@ def note_stop(run_dir: Path, started: float, script: bool) -> None:
         write_status(run_dir, "stopped", **({"step": newest[-1].step} if newest and not script else {}))
 
 
+def stopped_elsewhere(run_dir: Path, started: float) -> int:
+    """The exit code of a node whose ranks all ended well: 0, or where the run was stopped since `started` by a signal
+    to another node's launcher (a Ctrl-C in its terminal; every node's ranks agree on the step to stop after), the
+    code that node's launcher ends with (128 + the signal, SIGTERM's where rank 0 did not have it), said here too:
+    a stopped run is not a finished one, to the user of this node nor to a script that runs it."""
+    said = read_status(run_dir)
+    if said.get("status") != "stopped" or said.get("time", 0) < started:
+        return 0
+    sig = signal.Signals[said["signal"]] if said.get("signal") in signal.Signals.__members__ else signal.SIGTERM
+    print(f"stopped by {said.get('signal') or 'a signal'} to another node's launcher: every node's ranks stopped after "
+          f"step {said.get('step')}, saved in a checkpoint. Run the same command on every node to resume.",
+          file=sys.stderr)
+    return 128 + sig.value
+
+
 def others_finish(run_dir: Path, quiet_s: float) -> None:
     """Wait while the other nodes' replica groups still train (a group's rank 0 marked RUN_DIR/.alive within
     `quiet_s`: every group's, not metrics.jsonl, which group 0 alone writes), until the run is finished or stopped
@@ -342,9 +357,12 @@ class Local(Backend):
                 yield
 
     def start(self, cfg: Config, run_dir: Path, snapshot: Path) -> int:
+        started = time.time()
         if cfg.trainer.fault_tolerance == "replicas":
-            return launch_replica_groups(cfg, snapshot)
-        return run_workers(cfg, run_dir, snapshot)
+            code = launch_replica_groups(cfg, snapshot)
+        else:
+            code = run_workers(cfg, run_dir, snapshot)
+        return stopped_elsewhere(run_dir, started) if code == 0 and cfg.trainer.nodes > 1 else code
 
     def holder_alive(self, lease: Lease) -> tuple[bool, str]:
         if lease.host != socket.gethostname():  # another machine's process: its renewals tell
