@@ -198,6 +198,7 @@ class Agent(LocalElasticAgent):
         self.stopped_since: dict[int, float] = {}
         self.looked_at = 0.0
         self.restarting = False
+        self.last_state: WorkerState | None = None  # what the last look at the workers found
         self.run_dir, self.started = run_dir, time.time()
         self.run_dir, self.started = run_dir, time.time()
 
@@ -212,12 +213,12 @@ class Agent(LocalElasticAgent):
             os.environ.pop(ROUND_ENV, None)
 
     def _stop_workers(self, worker_group, *args, **kwargs) -> None:
-        # torch stops running workers here only to restart them: for a node that joins (or comes back) while they
-        # train, or after a failure. Said here, not as the stop a signal makes (`_shutdown`).
+        # torch stops workers here to restart them: after a failure (reported by `_monitor_workers`), or, while they
+        # train well, for another node that restarted its own (or joins). Not the stop a signal makes (`_shutdown`).
         self.restarting = True
-        if self._pcontext and self._pcontext.wait(0) is None:
-            print(f"a node joins the run (or is back): the workers stop and start again with every node, not counted "
-                  f"as a restart; {resumes()}", file=sys.stderr, flush=True)
+        if self.last_state == WorkerState.HEALTHY and self._pcontext and self._pcontext.wait(0) is None:
+            print(f"another node restarted its workers (or a node joins): this node's stop and start again with "
+                  f"every node's, not counted as a restart; {resumes()}", file=sys.stderr, flush=True)
         try:
             super()._stop_workers(worker_group, *args, **kwargs)
         finally:
@@ -243,6 +244,7 @@ class Agent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY and self.frozen_after_s:
             result = self.frozen(worker_group) or result
+        self.last_state = result.state
         if result.is_failed():
             self.reported = self._pcontext  # its failures are reported here or at the end, not again by a stop
         if result.is_failed() and restart_would_repeat(result.failures):

@@ -495,6 +495,8 @@ def kill(backend: Backend, mode: str, run_dir: Path, reference, sig: int = signa
     ended = backend.wait(first)
     text = backend.output(first)
     no_shadow(text)
+    if backend.name == "local":  # one node: no other node's restart to restart with (a frozen group's end said so)
+        assert "not counted as a restart" not in text, text[-3000:]
     if backend.name == "slurm" and mode != "replicas":  # a task per rank, no agent: the same command resumes
         assert ended == backend.failed, f"ended {ended!r}\n{text[-4000:]}"
         assert status(run_dir)["status"] == "failed", status(run_dir)
