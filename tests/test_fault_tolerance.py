@@ -15,7 +15,7 @@ import torch
 
 from conftest import FAULTS_DIR, IDENTITY, final_checkpoint, read_metrics
 from train.checkpoint import committed
-from test_multinode import NEEDS_NAMESPACES, node, nodes
+from test_multinode import NEEDS_NAMESPACES, hosts_file, node, nodes
 
 GROUPS = [*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.fault_tolerance=replicas"]
 
@@ -111,8 +111,7 @@ def test_a_group_back_as_the_others_end_heals_in_their_last_quorum_and_checks_it
 def two_nodes(tmp_path, overrides: list[str], env: dict) -> tuple[list[int], str, str]:
     """The same launch on nodes n1 and n2 (tests/test_multinode.py: namespaces, a hosts file), n1 the rendezvous
     host: their exit codes and their logs."""
-    hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1 localhost\n127.0.0.2 n1\n127.0.0.3 n2\n")
+    hosts = hosts_file(tmp_path)
     with socket.socket() as probe:
         probe.bind(("", 0))
         port = probe.getsockname()[1]

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +48,13 @@ def nodes(procs: list[subprocess.Popen]):
                 p.kill()
 
 
+def hosts_file(folder) -> Path:
+    """The hosts file every node here reads: n1 and n2 on loopback addresses of their own."""
+    hosts = Path(folder) / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n127.0.0.2 n1\n127.0.0.3 n2\n")
+    return hosts
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -54,8 +62,7 @@ def free_port() -> int:
 
 
 def test_two_nodes_share_one_run_directory_and_the_first_says_what_it_waits_for(tmp_path):
-    hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1 localhost\n127.0.0.2 n1\n127.0.0.3 n2\n")
+    hosts = hosts_file(tmp_path)
     run_dir, port = tmp_path / "run", free_port()
     overrides = [*RUN, f"launcher.rdzv_endpoint=n1:{port}", "launcher.rdzv_timeout_s=120", f"hydra.run.dir={run_dir}"]
     logs = {name: tmp_path / f"{name}.log" for name in ("n1", "n2")}
@@ -122,11 +129,8 @@ def test_a_ctrl_c_while_the_other_nodes_are_awaited_ends_the_launch_at_once(tmp_
 def test_an_unchanged_torchrun_script_runs_on_two_nodes_by_rendezvous(tmp_path):
     """program=script on two nodes without a scheduler: the same command on each, one rendezvous, each node's rank
     one of a world of 2 (the script's own print says so), its output written by rank 0 once."""
-    from pathlib import Path
-
     shutil.copy(Path(__file__).parent / "foreign" / "own_loop" / "my_loop.py", tmp_path / "my_loop.py")
-    hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1 localhost\n127.0.0.2 n1\n127.0.0.3 n2\n")
+    hosts = hosts_file(tmp_path)
     run_dir, port = tmp_path / "run", free_port()
     overrides = [*FAST, "program=script", "program.script=my_loop.py", "program.args=[--epochs,1,--out,mine.pt]",
                  "trainer.nodes=2", "trainer.procs_per_node=1", f"launcher.rdzv_endpoint=n1:{port}",

@@ -57,6 +57,34 @@ def _write_snapshots(run_dir: str, value: int, times: int, errors) -> None:
         errors.put(repr(error))
 
 
+def _check_writable(folder: str, times: int, errors) -> None:
+    from launcher.run_dir.directory import check_writable
+
+    for _ in range(times):
+        try:
+            check_writable(Path(folder) / "run", "hydra.run.dir")
+        except SystemExit as refused:
+            errors.put(refused.code)
+            return
+
+
+def test_launchers_of_several_nodes_check_one_run_directory_at_once_without_refusing_each_other(tmp_path, capfd):
+    """Two nodes' launchers started at once: each probed the shared run directory with a file of one name, and one
+    removed it under the other, which was refused ("is not a writable directory (No such file or directory)"; the
+    matrix's nodes-replicas-kill, once, the other node then waiting rdzv_timeout_s for it)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    errors = context.Queue()
+    checkers = [context.Process(target=_check_writable, args=(str(tmp_path), 500, errors)) for _ in range(2)]
+    for c in checkers:
+        c.start()
+    for c in checkers:
+        c.join()
+    assert [errors.get() for _ in range(errors.qsize())] == [], capfd.readouterr().err
+    assert list((tmp_path / "run").iterdir()) == []  # no probe left behind
+
+
 def test_launchers_of_several_nodes_write_one_snapshot_and_status_without_collisions(tmp_path):
     """The launchers of a multi-node local run write config.yaml (and status.json) into one shared directory at
     once: each write is whole and none fails (one temporary name per file raised FileNotFoundError, or renamed a

@@ -230,8 +230,10 @@ def fit(run: Run) -> Outcome:
     if stopped:
         console.print(f"stopped at step {progress.step} with a checkpoint; run the same command again to resume")
         if says_end:
-            # the signal, where rank 0 had it: the exit code of a node whose launcher was not signalled (launcher/backends/local.py)
-            write_status(run.run_dir, "stopped", step=progress.step, **({"signal": stop.signal_name} if stop.signal_name else {}))
+            # with the signal, where rank 0 had it: the exit code of a node whose launcher was not signalled
+            # (launcher/backends/local.py stopped_elsewhere)
+            signalled = {"signal": stop.signal_name} if stop.signal_name else {}
+            write_status(run.run_dir, "stopped", step=progress.step, **signalled)
         return Outcome("stopped", progress.step, result, signal=stop.signal_name)
     if says_end:
         write_status(run.run_dir, "finished", step=progress.step, **{f"eval_{k}": v for k, v in result.items()})

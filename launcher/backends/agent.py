@@ -53,7 +53,7 @@ from launcher.backends.network import hold_free_port
 from train.dist import ROUND_ENV
 from train.fault_tolerance import REPLICA_GROUP_ENV
 from train.finite import NONFINITE_EXIT_CODE
-from train.observe.status import read_status
+from train.observe.status import stopped_since
 from train.observe.watchdog import HANG_EXIT_CODE
 
 # The agent turns these into SignalException and forwards them to the workers, which save and stop.
@@ -200,7 +200,6 @@ class Agent(LocalElasticAgent):
         self.restarting = False
         self.last_state: WorkerState | None = None  # what the last look at the workers found
         self.run_dir, self.started = run_dir, time.time()
-        self.run_dir, self.started = run_dir, time.time()
 
     def _rendezvous(self, worker_group) -> None:
         super()._rendezvous(worker_group)
@@ -228,10 +227,7 @@ class Agent(LocalElasticAgent):
         """Whether the run was stopped (status.json, since this agent started) while this node's workers ended well:
         a signal to another node's launcher, which every node's ranks stopped on at the same step. That launcher
         may have ended already, and the rendezvous store it hosted with it."""
-        if self.run_dir is None:
-            return False
-        said = read_status(self.run_dir)
-        return said.get("status") == "stopped" and said.get("time", 0) >= self.started
+        return self.run_dir is not None and stopped_since(self.run_dir, self.started) is not None
 
     def _exit_barrier(self) -> None:
         # The barrier keeps every node's agent until all their workers have ended; after a stop they have (at the

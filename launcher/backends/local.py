@@ -58,7 +58,7 @@ from train.dist import available_cores
 from train.fault_tolerance import REPLICA_GROUP_ENV, START_STORE_ENV
 from train.finite import NONFINITE_EXIT_CODE
 from train.host import PARENT_ENV
-from train.observe.status import ALIVE_FILE, read_status, status_held, write_status
+from train.observe.status import ALIVE_FILE, read_status, status_held, stopped_since, write_status
 from train.parallel.layout import procs_per_node
 
 
@@ -245,8 +245,8 @@ def stopped_elsewhere(run_dir: Path, started: float) -> int:
     to another node's launcher (a Ctrl-C in its terminal; every node's ranks agree on the step to stop after), the
     code that node's launcher ends with (128 + the signal, SIGTERM's where rank 0 did not have it), said here too:
     a stopped run is not a finished one, to the user of this node nor to a script that runs it."""
-    said = read_status(run_dir)
-    if said.get("status") != "stopped" or said.get("time", 0) < started:
+    said = stopped_since(run_dir, started)
+    if said is None:
         return 0
     sig = signal.Signals[said["signal"]] if said.get("signal") in signal.Signals.__members__ else signal.SIGTERM
     print(f"stopped by {said.get('signal') or 'a signal'} to another node's launcher: every node's ranks stopped after "

@@ -9,7 +9,9 @@ extending a run with trainer.max_steps=... resumes it.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -63,7 +65,9 @@ def check_writable(directory: Path, key: str) -> None:
     """Exit with a message naming `key` if `directory` cannot be created or written."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / ".write-test"
+        # a name of this process's own: the launchers of several nodes check one shared directory at once, and one
+        # removed the probe of another, which was then told the directory could not be written
+        probe = directory / f".write-test.{socket.gethostname()}.{os.getpid()}"
         probe.touch()
         probe.unlink()
     except OSError as error:

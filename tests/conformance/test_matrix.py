@@ -9,11 +9,13 @@ which must never run in place of ours; it is launched as docs/your-code.md says 
                 a node, 2 x 1), slurm (the test cluster, 2 nodes x 1), ray (the test cluster, 2 x 1)
     modes       ddp, fsdp, replicas (2 replica groups of one rank, torchft)
     conditions  stop    a stop as the backend delivers it (a terminal's Ctrl-C: SIGINT to the launcher's process
-                        group; of the first node, for two nodes by rendezvous; `scancel`; `ray job stop`): a checkpoint at a step, status.json "stopped", the
-                        documented end; the same command again resumes and ends with the uninterrupted run's weights
-                kill    rank 1, found by its process name, SIGKILLed: the documented restart (local, nodes, Ray: the group or
-                        every node restarts from the checkpoint; SLURM: the job fails naming the rank and the same
-                        command resumes; replica groups: the group restarts alone and heals from the live one)
+                        group, the first node's for two nodes by rendezvous; `scancel`; `ray job stop`): a
+                        checkpoint at a step, status.json "stopped", the documented end; the same command again
+                        resumes and ends with the uninterrupted run's weights
+                kill    rank 1, found by its process name, SIGKILLed: the documented restart (local, nodes, Ray:
+                        the group or every node restarts from the checkpoint; SLURM: the job fails naming the rank
+                        and the same command resumes; replica groups: the group restarts alone and heals from the
+                        live one)
                 freeze  rank 0 SIGSTOPped: a hang report names it within trainer.hang_timeout_s and a bound, and the
                         run goes on as after a kill
                 fail    the user's model raises on rank 1: its own traceback reaches the user's output and status.json
@@ -56,6 +58,7 @@ from conftest import (
 PROJECT = Path(__file__).resolve().parent / "project"
 DDP_LAUNCH = str(Path(sys.executable).parent / "ddp-launch")  # `python -m launcher` there would run their launcher.py
 RAY_ADDRESS = os.environ.get("RAY_ADDRESS", "http://127.0.0.2:8265")
+RAY_CLUSTER = str(REPO / "ray-cluster" / "test-cluster.sh")
 SLURM_CONF = "/tmp/slurm-test-cluster/etc/slurm.conf"
 STEPS = 40  # conf/experiment/matrix.yaml: a checkpoint every 8 steps
 ACT_AT = 10  # a fault or a stop once a step past the first checkpoint is logged
@@ -187,10 +190,9 @@ class Nodes(Backend):
         return None if os.geteuid() == 0 and _which("unshare") else "needs root and unshare (namespaces, as CI has)"
 
     def start(self, run_dir, overrides, env):
-        from test_multinode import free_port
+        from test_multinode import free_port, hosts_file
 
-        hosts = run_dir.parent / "hosts"
-        hosts.write_text("127.0.0.1 localhost\n127.0.0.2 n1\n127.0.0.3 n2\n")
+        hosts = hosts_file(run_dir.parent)
         command = [*RUN, *self.layout, f"launcher.rdzv_endpoint=n1:{free_port()}", *overrides,
                    f"hydra.run.dir={run_dir}"]
         launch = Launch(run_dir, command, extra={"hosts": hosts, "env": {**os.environ, **env}, "nodes": {}, "logs": []})
@@ -348,10 +350,10 @@ class Ray(Backend):
                        capture_output=True)
 
     def lose_node(self, launch):
-        subprocess.run([str(REPO / "ray-cluster" / "test-cluster.sh"), "kill-worker"], check=True, timeout=30)  # SIGKILL
+        subprocess.run([RAY_CLUSTER, "kill-worker"], check=True, timeout=30)  # SIGKILL
 
     def return_node(self, launch):
-        subprocess.run([str(REPO / "ray-cluster" / "test-cluster.sh"), "start-worker"], check=True, timeout=120)
+        subprocess.run([RAY_CLUSTER, "start-worker"], check=True, timeout=120)
 
     def rank_pid(self, launch, name):
         # Ray's workers run under the raylets; the cluster serves one test at a time (its lock)

@@ -35,6 +35,12 @@ def read_status(run_dir: Path) -> dict:
         return {}
 
 
+def stopped_since(run_dir: Path, started: float) -> dict | None:
+    """status.json where it says the run was stopped at or after `started` (a time.time()), else None."""
+    said = read_status(run_dir)
+    return said if said.get("status") == "stopped" and said.get("time", 0) >= started else None
+
+
 @contextlib.contextmanager
 def status_held(run_dir: Path) -> Iterator[None]:
     """status.json to read and rewrite with no other writer in between: every node's launcher (every SLURM task)
