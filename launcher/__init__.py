@@ -6,8 +6,8 @@ models.py or data.py. Appending it last is not enough: an editable install finds
 that Python asks only after every sys.path entry, so a project's train.py would still win. So the working
 directory leaves the path, this package's `train` is imported (and so pinned in sys.modules), and the directory
 comes back at the end, for the user's `_target_`s. The workers do the same (`python -P`, then the snapshot's
-`import_path`). A user's own launcher.py would run before this file: the install's site hook refuses that
-(installer/ddp_launcher_guard.py), and `ddp-launch` or `python -P -m launcher` run ours there.
+`import_path`). A user's own launcher.py would run instead of this package, as Python's `-m` always does: beside one, run
+`ddp-launch` or `python -P -m launcher` (docs/launching.md).
 """
 
 import os
@@ -21,5 +21,4 @@ from launcher import moved  # noqa: E402  (the module paths from before launcher
 
 moved.install()
 
-RANK_SYS_PATH = list(sys.path)  # a rank's (`python -P`), for the zygote the launcher forks (train/zygote.py)
 sys.path.append(_here)

@@ -9,49 +9,22 @@ import sys  # noqa: E402
 
 from hydra.errors import HydraException  # noqa: E402
 
-from launcher import RANK_SYS_PATH  # noqa: E402
 from launcher.checks.overrides import describe, explain  # noqa: E402
 from launcher.main import main  # noqa: E402
 from launcher.run_dir.directory import register_resolvers  # noqa: E402
 from launcher.schema import register_configs  # noqa: E402
-from train import zygote  # noqa: E402
 from train.dist import exit_without_finalizing  # noqa: E402
-
-# Hydra's flags after which nothing runs, and the values of the overrides under which ranks (or a dry run's
-# forecasts of them) start on this machine.
-NO_RANKS_HERE = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc"}
-RANKS_HERE_WITH = {"launcher": "local", "launcher.name": "local", "launcher.preload_ranks": "true"}
-
-
-def may_start_ranks(args: list[str]) -> bool:
-    """Whether this command may start ranks here (or forecast them: a dry run), judged from its words alone (before
-    Hydra composes): a wrong yes costs a zygote that is never used (~0.6 s of CPU), a wrong no only the head start."""
-    if any(arg.split("=", 1)[0] in NO_RANKS_HERE for arg in args):
-        return False
-    overrides = dict(arg.lstrip("+~").split("=", 1) for arg in args if "=" in arg and not arg.startswith("-"))
-    if overrides.get("trainer.fault_tolerance", "").lower() == "replicas":
-        return False  # each replica group's agent forks its own (train.zygote.preloaded)
-    if overrides.get("program", "").lower() == "script":
-        return False  # a script's ranks are the user's own program (ddp_loop), started afresh as torchrun starts them
-    return all(overrides.get(key, value).lower() == value for key, value in RANKS_HERE_WITH.items())
-
 
 def cli() -> None:
     # What the imports made lives until exit: out of the collector's sight, the exit skips ~0.7 s of collecting
     # it (the user's targets, imported by validation later, are collected as before).
     gc.freeze()
     gc.enable()
-    if may_start_ranks(sys.argv[1:]):
-        # Forked now, while this process is one thread and holds nothing: the zygote imports what the ranks need
-        # while Hydra composes, and the local backend hands it the ranks (train/zygote.py).
-        zygote.fork(RANK_SYS_PATH)
     try:
         compose_and_launch()
         code = 0
     except SystemExit as end:
         code = end.code
-    finally:
-        zygote.stop_forked()
     if isinstance(code, str):  # sys.exit("message"), as the interpreter would end it
         print(code, file=sys.stderr)
     # Everything is written and closed (the run's files, its lease, the workers gone): end without the interpreter's

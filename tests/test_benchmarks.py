@@ -170,15 +170,15 @@ def test_the_prepared_gpu_command_installs_its_wheels_apart_and_leaves_its_table
     assert wheels == ["antlr4_python3_runtime", "hydra_core", "omegaconf", "submitit", "torchdata"]
     out, site = tmp_path / "out", tmp_path / "site"
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # python3: this one
-    env = {**os.environ, "OUT": str(out), "GPU_RUN_SITE": str(site), "GPU_RUN_ONLY": "zygote", "PATH": path}
+    env = {**os.environ, "OUT": str(out), "GPU_RUN_SITE": str(site), "GPU_RUN_ONLY": "started fresh", "PATH": path}
     proc = subprocess.run(["bash", "benchmarks/gpu_run.sh", "--cpu"], cwd=copy, capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert f"hydra from {site}" in proc.stdout  # the carried wheel, not this environment's hydra
     table = json.loads((out / "gpu_check.json").read_text())
     assert table["device"] == "CPU (gloo)"
-    assert [(r["check"], r["ok"]) for r in table["checks"]] == [("ranks forked from the zygote", True)]
-    assert "PASS  ranks forked from the zygote" in (out / "gpu_run.log").read_text()
+    assert [(r["check"], r["ok"]) for r in table["checks"]] == [("ranks started fresh", True)]
+    assert "PASS  ranks started fresh" in (out / "gpu_run.log").read_text()
 
 
 def test_a_trace_summary_counts_each_operation_once_and_the_gpu_busy_once_per_instant(tmp_path):

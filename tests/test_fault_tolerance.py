@@ -49,10 +49,10 @@ def test_a_killed_group_restarts_heals_from_the_live_one_and_both_end_identical(
     proc = launch(*GROUPS, "trainer.epochs=4", "trainer.max_steps=64", "trainer.log_every=2", "launcher.max_restarts=1",
                   f"hydra.run.dir={run_dir}", env={**killed(group=1, step=10), "TRACE_START": "1"})
     assert proc.returncode == 0
-    # Each group's ranks, the restarted ones too, were forked from a zygote that its agent forked (it had imported
-    # torch), not one started as `python -m train.zygote` that imported torch again (tests/faults: TRACE_START).
+    # Each group's ranks, the restarted ones too, are fresh interpreters that its agent started, as torchrun starts
+    # them: nothing imported before the rank's own code (tests/faults: TRACE_START).
     started = re.findall(r"\[start rank \d attempt (\d)\] .* preloaded (\w+) parent's module (\S+)", proc.stderr)
-    assert sorted(started) == [("0", "True", "launcher.backends.replicas")] * 2 + [("1", "True", "launcher.backends.replicas")]
+    assert sorted(started) == [("0", "False", "launcher.backends.replicas")] * 2 + [("1", "False", "launcher.backends.replicas")]
     steps = train_steps(run_dir)  # logged by group 0, which was never stopped
     assert steps == sorted(set(steps)) and steps[-1] == 64  # it never went back a step
     # Whether group 0 took a step alone depends on how fast group 1 is back (the quorum waits for a group that still

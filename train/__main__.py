@@ -4,14 +4,7 @@ Under plain torchrun (`torchrun --nproc-per-node 2 -m train RUN_DIR/config.yaml`
 without any launcher it trains as a single process.
 """
 
-import os
-
-if os.environ.get("TRAIN_ZYGOTE"):  # under the launcher: a process that has imported torch forks this rank
-    from train.zygote import relay
-
-    relay(os.environ["TRAIN_ZYGOTE"])  # returns only when there is none to ask: this process is the rank
-
-import gc  # noqa: E402
+import gc
 
 # No cyclic collection until the imports are done (train.host.freeze_imported_objects enables it again): torch's and
 # dynamo's imports make millions of lasting objects, and each collection they set off traversed all made so far
@@ -19,12 +12,13 @@ import gc  # noqa: E402
 gc.disable()
 
 import argparse  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from train.dist import exit_without_finalizing  # noqa: E402
-from train.host import die_with_parent  # noqa: E402
+from train.host import die_with_parent, name_process, rank_process_name  # noqa: E402
 from train.finite import NONFINITE_EXIT_CODE, NonFiniteLoss  # noqa: E402
 from train.run import main  # noqa: E402
 from train.writer import RunDirHeld  # noqa: E402
@@ -35,6 +29,7 @@ def cli() -> None:
     parser = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="the resolved config snapshot written by the launcher (RUN_DIR/config.yaml)")
     die_with_parent()
+    name_process(rank_process_name(os.environ).encode())  # `pgrep -x 'train rank 0'`, as ps and top show it
     main(parser.parse_args().config)
 
 

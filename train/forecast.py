@@ -20,31 +20,25 @@ Printed as JSON for the launcher's dry run (launcher/checks/forecast.py), which 
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+from pathlib import Path
 
-if __name__ == "__main__" and os.environ.get("TRAIN_ZYGOTE"):  # a dry run's: forked from a process that has torch
-    from train.zygote import relay
+import torch
+import torch.distributed as dist
+from torch import nn
 
-    relay(os.environ["TRAIN_ZYGOTE"], module="train.forecast")  # returns only when there is none to ask
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-from train.build import add_import_path, build_model, build_task, checkpoint_blocks, instantiate  # noqa: E402
-from train.config import TrainConfig, load_config  # noqa: E402
-from train.dist import DistEnv  # noqa: E402
-from train.parallel.layout import layout_of  # noqa: E402
-from train.data.sets import build_dataset  # noqa: E402
-from train.data.stand_in import build_or_stand_in  # noqa: E402
-from train.parallel.strategy import local_bytes  # noqa: E402
-from train.optim import build_optimizer  # noqa: E402
-from train.plan import make_plan, place_in_job, replicas, size_of  # noqa: E402
-from train.step import SavedActivations, model_call  # noqa: E402
+from train.build import add_import_path, build_model, build_task, checkpoint_blocks, instantiate
+from train.config import TrainConfig, load_config
+from train.dist import DistEnv
+from train.parallel.layout import layout_of
+from train.data.sets import build_dataset
+from train.data.stand_in import build_or_stand_in
+from train.parallel.strategy import local_bytes
+from train.optim import build_optimizer
+from train.plan import make_plan, place_in_job, replicas, size_of
+from train.step import SavedActivations, model_call
 
 MB = 2**20
 

@@ -306,8 +306,7 @@ class Agent(LocalElasticAgent):
 
     def wake_workers(self) -> None:
         """SIGCONT to every worker's process group: a rank stopped by SIGSTOP (frozen, as a hang report names it)
-        would hold the stop signal pending, and the restart waits launcher.shutdown_timeout_s for it to end. (A
-        relay of the zygote passes the stop signal and a SIGCONT on to its rank itself.)"""
+        would hold the stop signal pending, and the restart waits launcher.shutdown_timeout_s for it to end."""
         for pid in self._pcontext.pids().values() if self._pcontext else ():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGCONT)

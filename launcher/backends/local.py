@@ -11,7 +11,6 @@ node runs the same command with launcher.rdzv_endpoint=HOST:PORT of the first no
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import fcntl
 import hashlib
 import os
@@ -22,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig
@@ -52,7 +51,6 @@ from launcher.backends.network import (
 from launcher.backends.script import script_command, script_env
 from launcher.run_dir.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.schema import Config
-from train import zygote
 from train.checkpoint import checkpoint_dir, committed
 from train.dist import available_cores
 from train.fault_tolerance import REPLICA_GROUP_ENV, START_STORE_ENV
@@ -94,53 +92,52 @@ def threads_per_process(cfg: Config) -> int:
     return cfg.trainer.threads or max(1, available_cores() // procs_per_node(cfg.trainer))
 
 
+def rank_environment(cfg: Config, run_dir: Path) -> dict[str, str]:
+    """What every rank of this launch finds in its environment besides torchrun's variables, before its first import."""
+    env = {
+        # The workers die with this process (train/__main__.py): if it is killed, its lease may be taken over at once.
+        PARENT_ENV: str(os.getpid()),
+        # As torchrun does: OpenMP and BLAS pools in the workers (oneDNN's, numpy's) size themselves from this when
+        # they load, not from torch.set_num_threads; unset, every process would start one thread per core. A value
+        # the user set is kept.
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(threads_per_process(cfg)),
+    }
+    if cfg.program.name == "script":
+        env.update(script_env(cfg, run_dir))
+    return env
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """os.environ with `values` meanwhile (torch's agent gives its workers a copy of this process's environment), and
+    as it was after: the next point of a sweep run in this process starts from the user's environment, not this one's."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def launch_local(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig | None = None) -> None:
     """Run the workers to completion; raises ChildFailedError (with the failing rank's traceback) on failure."""
-    # As torchrun does: OpenMP and BLAS pools in the workers (oneDNN's, numpy's) size themselves from this, not
-    # from torch.set_num_threads; unset, every process would start one thread per core.
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(cfg)))
-    # The workers die with this process (train/__main__.py): if it is killed, its lease may be taken over at once.
-    os.environ[PARENT_ENV] = str(os.getpid())
     frozen = {"frozen_after_s": cfg.trainer.hang_timeout_s + FROZEN_MARGIN_S if cfg.trainer.hang_timeout_s else 0.0,
               "hang_dir": run_dir / "hang", "run_dir": run_dir}
-    if cfg.program.name == "script":  # the user's own loop, from the launch directory, as torchrun runs it
-        os.environ.update(script_env(cfg, run_dir))
-        # As torchrun: the ranks' MASTER_ADDR:MASTER_PORT is the agent's store (TORCHELASTIC_USE_AGENT_STORE), which
-        # a script's init_process_group joins and torchft's Manager needs (it never serves one itself)
-        run_agent(config or launch_config(cfg, run_dir), sys.executable, script_command(cfg), **frozen,
-                  agent_store=True)
-        return
-    # -P: not the working directory first on the path (a user's train.py there is not our `train`); the user's
-    # modules come from the snapshot's import_path, after ours.
-    with zygote.preloaded(snapshot, installed_targets(snapshot)) if cfg.launcher.preload_ranks else contextlib.nullcontext():
+    with environment(rank_environment(cfg, run_dir)):
+        if cfg.program.name == "script":  # the user's own loop, from the launch directory, as torchrun runs it
+            # As torchrun: the ranks' MASTER_ADDR:MASTER_PORT is the agent's store (TORCHELASTIC_USE_AGENT_STORE),
+            # which a script's init_process_group joins and torchft's Manager needs (it never serves one itself)
+            run_agent(config or launch_config(cfg, run_dir), sys.executable, script_command(cfg), **frozen,
+                      agent_store=True)
+            return
+        # -P: not the working directory first on the path (a user's train.py there is not our `train`); the user's
+        # modules come from the snapshot's import_path, after ours.
         run_agent(config or launch_config(cfg, run_dir), sys.executable, ["-u", "-P", "-m", "train", str(snapshot)],
                   **frozen)
-
-
-def installed_targets(snapshot: Path) -> list[str]:
-    """The run's `_target_`s that come from installed packages (in a site-packages folder), e.g. a transformers or
-    timm model, for the zygote to import once for every rank of the node. Never a project's own module: one may read
-    its rank's variables when it is imported."""
-    targets, nodes = set(), [OmegaConf.to_container(OmegaConf.load(snapshot), resolve=False)]
-    while nodes:
-        node = nodes.pop()
-        if isinstance(node, dict):
-            if isinstance(node.get("_target_"), str):
-                targets.add(node["_target_"])
-            nodes.extend(node.values())
-        elif isinstance(node, list):
-            nodes.extend(node)
-    ours = {"torch", "train", "launcher"}  # imported already
-    return sorted(t for t in targets if t.split(".")[0] not in ours and _installed(t.split(".")[0]))
-
-
-def _installed(name: str) -> bool:
-    try:
-        spec = importlib.util.find_spec(name)  # a top-level name: found, not imported
-    except (ImportError, ValueError):
-        return False
-    where = spec and (spec.origin or next(iter(spec.submodule_search_locations or ()), None))
-    return bool(where) and not {"site-packages", "dist-packages"}.isdisjoint(Path(where).parts)
 
 
 @contextlib.contextmanager

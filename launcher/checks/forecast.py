@@ -5,7 +5,6 @@ against the memory of one GPU. A configuration that cannot fit is refused before
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -14,7 +13,6 @@ from pathlib import Path
 import torch
 
 from launcher.schema import Config
-from train import zygote
 from train.parallel.layout import world_size
 
 GB = 2**30
@@ -83,14 +81,12 @@ def dry_run_forecast(cfg: Config, snapshot: Path) -> tuple[list[str], str | None
     if cfg.trainer.strategy == "pipeline":
         return ["forecast  not made for trainer.strategy=pipeline"], None
     lines, worst = [], None
-    # Each rank's forecast is forked from a zygote that has imported torch (train/zygote.py), not started afresh.
-    with zygote.preloaded(snapshot) if cfg.launcher.preload_ranks else contextlib.nullcontext():
-        ranks = []
-        for rank in sorted({0, world - 1}):
-            try:
-                ranks.append(rank_forecast(snapshot, world, rank))
-            except (ForecastFailed, subprocess.TimeoutExpired) as error:
-                return [f"forecast  not made: building rank {rank} of {world} failed ({error})"], None
+    ranks = []
+    for rank in sorted({0, world - 1}):
+        try:
+            ranks.append(rank_forecast(snapshot, world, rank))
+        except (ForecastFailed, subprocess.TimeoutExpired) as error:
+            return [f"forecast  not made: building rank {rank} of {world} failed ({error})"], None
     for figures in ranks:
         if not lines:
             lines.append(f"forecast  plan at {world} ranks: global batch {figures['global_batch']}, "

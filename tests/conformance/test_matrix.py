@@ -579,7 +579,7 @@ def test_cell(cell, tmp_path, reference):
 
 def end_leftovers(run_dir: Path) -> None:
     """A failed cell leaves nothing running: every process whose command line names the run directory (launchers,
-    relays, zygotes, the ranks forked from them, SLURM's tasks), woken first where it was frozen, then killed."""
+    their ranks, SLURM's tasks), woken first where it was frozen, then killed."""
     for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and str(run_dir) in _cmdline(p)]:
         for sig in (signal.SIGCONT, signal.SIGKILL):
             try:

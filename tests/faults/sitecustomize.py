@@ -31,7 +31,7 @@ restart runs clean):
   TRACE_START=1 every rank, in every attempt, prints how it started, when it starts:
                 "[start rank R attempt A] pid P parent Q grandparent G preloaded True|False parent's module M"
                 (preloaded: torch's dynamo was imported before the rank's own code ran, i.e. it was forked from a
-                zygote; M: what the parent's command line runs with -m, a forked zygote's being its forker's),
+                process that had imported it; M: what the parent's command line runs with -m),
                 then "imported A,B": which of the modules TRACE_MODULES names were imported before the rank's code
   FAULT=trace_io  every checkpoint stream of this rank (of every rank with FAULT_RANK=all) is printed as it opens:
                 "[io rank R] writing step_00000003/__0_0.distcp" (what each rank reads, writes and hashes); slow_io
@@ -43,8 +43,8 @@ import sys
 
 
 def replace(module, name: str, new) -> None:
-    """module.name = new, in the module and in every module that imported the name from it already: a rank forked
-    from the zygote (train/zygote.py) has imported the trainer before its faults are set up."""
+    """module.name = new, in the module and in every module that imported the name from it already (a rank forked
+    after the trainer was imported has it before its faults are set up)."""
     old = getattr(module, name)
     for imported in list(sys.modules.values()):
         try:
@@ -267,13 +267,13 @@ _acted = False
 
 
 def act_in_rank() -> None:
-    """A rank forked from the zygote (train/zygote.py) gets its environment before the fork: act then, once (not
-    again in the processes the rank forks itself, such as its loader workers)."""
+    """A rank forked by a process that set its environment before the fork: act then, once (not again in the
+    processes the rank forks itself, such as its loader workers)."""
     if not _acted and os.environ.get("RANK") is not None:
         act()
 
 
-if os.environ.get("RANK") is not None and not os.environ.get("TRAIN_ZYGOTE"):
-    act()  # a rank started as its own process
-else:  # the launcher, a zygote, or a relay (which only stands in for its rank: no fault acts in it)
+if os.environ.get("RANK") is not None:
+    act()  # a rank, started as its own process
+else:  # the launcher, or a process that forks a rank after setting its variables
     os.register_at_fork(after_in_child=act_in_rank)

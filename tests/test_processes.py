@@ -1,0 +1,156 @@
+"""How the ranks start and end: fresh interpreters started by torch's elastic agent, as torchrun starts them (exit
+codes, signals and restarts are covered by test_faults.py); these check where the ranks come from, what they see at
+their first import, and that none outlives its launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from conftest import FAST, FAULTS_DIR, fault_env, final_checkpoint, logged_steps, wait_for
+from user_project import write_project
+
+RUN = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=2", "trainer.epochs=2"]
+STARTED = re.compile(r"\[start rank (\d) attempt (\d)\] pid (\d+) parent (\d+) grandparent (\d+) preloaded (\w+)")
+
+
+def starts(stderr: str) -> list[dict]:
+    """The ranks' own reports of how they started (TRACE_START in tests/faults/sitecustomize.py)."""
+    keys = ("rank", "attempt", "pid", "parent", "grandparent")
+    return [{**dict(zip(keys, map(int, found[:5]))), "preloaded": found[5] == "True"} for found in STARTED.findall(stderr)]
+
+
+def traced(**more: str) -> dict:
+    """The environment of a launch whose ranks report how they started."""
+    path = os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "TRACE_START": "1", **more}
+
+
+def launch_traced(tmp_path, *overrides: str, env: dict) -> tuple[int, int, str]:
+    """The launcher's pid, exit code and stderr."""
+    with subprocess.Popen([sys.executable, "-m", "launcher", *overrides], cwd=tmp_path, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        out, err = proc.communicate(timeout=300)
+    print(out, err)
+    return proc.pid, proc.returncode, err
+
+
+def test_each_rank_and_its_restart_is_a_fresh_interpreter_of_the_launchers_agent(tmp_path):
+    env = traced(**fault_env("kill", rank=1, step=5))
+    pid, code, err = launch_traced(tmp_path, *RUN, "launcher.max_restarts=1", f"hydra.run.dir={tmp_path / 'run'}", env=env)
+    assert code == 0 and "rank 1 failed, killed by SIGKILL" in err  # the cause, then the restart
+    ranks = starts(err)
+    assert sorted((r["rank"], r["attempt"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {r["parent"] for r in ranks} == {pid}  # the agent runs in the launcher: no process between them
+    assert not any(r["preloaded"] for r in ranks)  # nothing of torch was there before the rank's own start-up ran
+    assert final_checkpoint(tmp_path / "run")["step"] == 64
+
+
+# A package "installed" in a site-packages folder (as a transformers or timm model is): at its import it reads its
+# rank's variables, and its model reports what the rank's thread pools are. Before, such a package was imported once
+# for all ranks by a process forked before the ranks' variables were set, which had imported numpy and torch with
+# a pool per core: each rank saw LOCAL_RANK unset at import, and BLAS ran 2 threads per rank on these 2 cores.
+PROBE = '''
+import json, os
+from pathlib import Path
+
+LOCAL_RANK_AT_IMPORT = os.environ.get("LOCAL_RANK")
+OMP_AT_IMPORT = os.environ.get("OMP_NUM_THREADS")
+
+import threadpoolctl
+import torch
+
+
+class Probe(torch.nn.Linear):
+    def __init__(self):
+        super().__init__(8, 3)
+        if os.environ.get("LOCAL_RANK") is None:
+            return  # the launcher's own check of the model, before any rank starts
+        pools = threadpoolctl.threadpool_info()
+        record = {"local_rank": os.environ["LOCAL_RANK"], "at_import": LOCAL_RANK_AT_IMPORT, "omp": OMP_AT_IMPORT,
+                  "blas": sorted({p["num_threads"] for p in pools if p["user_api"] == "blas"}),
+                  "openmp": sorted({p["num_threads"] for p in pools if p["user_api"] == "openmp"}),
+                  "torch": torch.get_num_threads(), "threads": os.environ.get("PROBE_POINT")}
+        out = Path(os.environ["PROBE_OUT"])
+        (out / f"{os.getpid()}.json").write_text(json.dumps(record))
+'''
+
+
+def probe_project(tmp_path):
+    site = tmp_path / "env" / "lib" / "site-packages"
+    write_project(tmp_path / "project", {"conf/experiment/probe.yaml": """# @package _global_
+defaults:
+  - override /model: null
+  - override /data: vectors
+name: probe
+model: {_target_: probe_pkg.Probe}
+trainer: {max_steps: 2}
+""", "conf/data/vectors.yaml": "name: vectors\nbatch_size: 8\ntrain: {_target_: vectors.Vectors, n: 64}\n"
+                               "eval: {_target_: vectors.Vectors, n: 16}\n"})
+    from user_project import VECTORS
+    write_project(tmp_path / "project", {"vectors.py": VECTORS})
+    write_project(site, {"probe_pkg/__init__.py": PROBE})
+    out = tmp_path / "probes"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p),
+           "PROBE_OUT": str(out)}
+    env.pop("OMP_NUM_THREADS", None)  # the launcher's share of the cores, as a user's shell would have it
+    return tmp_path / "project", out, env
+
+
+def records(out) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+
+
+def test_every_variable_is_in_place_before_a_ranks_first_import_and_its_thread_pools_follow_it(tmp_path):
+    project, out, env = probe_project(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "launcher", "--config-dir", "conf", "+experiment=probe",
+                           "trainer.procs_per_node=2", "trainer.threads=1", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = records(out)
+    assert sorted(r["local_rank"] for r in ranks) == ["0", "1"]
+    assert all(r["at_import"] == r["local_rank"] for r in ranks)  # its own rank, at the package's import
+    assert all(r["omp"] == "1" and r["torch"] == 1 for r in ranks)
+    assert all(r["blas"] in ([], [1]) and r["openmp"] in ([], [1]) for r in ranks), ranks  # one thread each
+    assert any(r["blas"] or r["openmp"] for r in ranks)  # not vacuous: a pool was found and counted
+
+
+def test_each_point_of_a_sweep_gives_its_ranks_its_own_threads(tmp_path):
+    """OMP_NUM_THREADS was set in the launcher's own environment at the first point of a sweep and kept for every
+    later one: trainer.threads=2 ran with 1."""
+    project, out, env = probe_project(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "launcher", "-m", "--config-dir", "conf", "+experiment=probe",
+                           "trainer.procs_per_node=1", "trainer.threads=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted((r["omp"], r["torch"]) for r in records(out)) == [("1", 1), ("2", 2)]
+
+
+def test_a_killed_launcher_leaves_no_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    with open(tmp_path / "stderr", "w") as stderr, subprocess.Popen(
+            [sys.executable, "-m", "launcher", *RUN, "trainer.epochs=100000", f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr, env=traced()) as proc:
+        try:
+            wait_for(lambda: len(logged_steps(run_dir)) > 0, 120, "the run to train")
+            ranks = starts((tmp_path / "stderr").read_text())
+            assert len(ranks) == 2 and {r["parent"] for r in ranks} == {proc.pid}
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            wait_for(lambda: not any(os.path.exists(f"/proc/{r['pid']}") and not zombie(r["pid"]) for r in ranks), 30,
+                     "the ranks to die with their launcher")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
