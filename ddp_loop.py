@@ -234,59 +234,59 @@ def _run(argv: list[str]) -> None:
     script runs as `python SCRIPT ARGS` would run it (its folder first on the path; a module: the launch directory),
     under torch elastic's @record, so that a failing rank's own traceback reaches the launcher's report and
     status.json, not torch's placeholder, and under the hang watch (_Watch). Nothing else changes: its signals
-    stay its own."""
-    import runpy
+    stay its own, and it ends as Python ends it (_end_process_groups)."""
+    import atexit
+    import builtins
+    import importlib.machinery
+    import io
+    import types
 
     from torch.distributed.elastic.multiprocessing.errors import record
 
     _watch_for_hangs()
+    atexit.register(_end_process_groups)  # before the script's own: atexit runs them last in, first out
 
     if argv[:1] == ["-m"]:
-        module, sys.argv = argv[1], [argv[1], *argv[2:]]
         sys.path.insert(0, os.getcwd())
-        run = record(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+        spec = _module_to_run(argv[1])
+        path, code = spec.origin, spec.loader.get_code(spec.name)
     else:
-        script, sys.argv = argv[0], list(argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        run = record(lambda: runpy.run_path(script, run_name="__main__"))
-    try:
-        run()
-    except SystemExit as stop:
-        if stop.code is not None and not isinstance(stop.code, int):
-            raise  # sys.exit("message"): Python prints it and exits with 1
-        _exit_after_the_script(stop.code or 0)
-    _exit_after_the_script(0)
+        spec, path = None, os.path.abspath(argv[0])
+        sys.path.insert(0, os.path.dirname(path))
+        with io.open_code(path) as source:  # dont_inherit: not this module's `from __future__` flags
+            code = compile(source.read(), argv[0], "exec", dont_inherit=True)
+    sys.argv = [path, *argv[(2 if spec else 1):]]
+    # The script's globals are the __main__ module's, kept in sys.modules as `python SCRIPT` keeps them (runpy's
+    # temporary module left them to the collector, which at exit may never close a file the script left open).
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __spec__=spec, __builtins__=builtins,
+                         __loader__=spec.loader if spec else importlib.machinery.SourceFileLoader("__main__", path),
+                         __package__=spec.parent if spec else None)
+    sys.modules["__main__"] = main
+    record(lambda: exec(code, main.__dict__))()  # returned, sys.exit(...) or raised: Python's own exit follows
 
 
-def _exit_after_the_script(code: int) -> None:
-    """A script that ended by itself (returned, or sys.exit(N)) gets what Python's own exit gives it: its
-    non-daemon threads awaited, its atexit handlers (logging's flush, trackers' finish), its objects finalized (a
-    file it left open is flushed and closed), stdout and stderr flushed; then the process ends without Python's
-    finalization. In that finalization a gloo worker thread still releasing a finished collective's tensors takes
-    the GIL and the rank aborts ("terminate called without an active exception", SIGABRT: ~1 exit in 12 on a
-    loaded machine, on the rank that finishes first; torch 2.13, pytorch/pytorch#179291), and the launcher reports
-    a run that finished as failed."""
-    import atexit
-    import gc
-    import io
-    import threading
+def _module_to_run(name: str):
+    """The spec of what `python -m NAME` runs: the module, or a package's __main__."""
+    import importlib.util
 
-    try:
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()
-        atexit._clear()  # what they held (the script's globals, often) may go now
-        gc.collect()
-        # A file still referenced (the script's globals, a library's cache) is flushed as Python's finalization
-        # would flush it; stdout and stderr last
-        for stream in [o for o in gc.get_objects() if isinstance(o, io.IOBase)] + [sys.stdout, sys.stderr]:
-            try:
-                stream.flush()
-            except Exception:  # closed, or not writable: nothing to flush there
-                pass
-    finally:
-        os._exit(code)
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"No module named {name}")
+    return _module_to_run(f"{name}.__main__") if spec.submodule_search_locations is not None else spec
+
+
+def _end_process_groups() -> None:
+    """The script's process groups, destroyed once its threads and exit handlers are done and while the interpreter
+    still runs, as a script that calls destroy_process_group() itself ends. Left to the interpreter's finalization, a
+    gloo worker thread still releasing a finished collective's tensors takes the GIL there and the rank aborts
+    ("terminate called without an active exception", SIGABRT: ~1 exit in 12 on a loaded machine; torch 2.13,
+    pytorch/pytorch#179291, where torch itself tried the same), and the launcher reports a finished run as failed.
+    Everything else is Python's own exit: threading's exit hooks (a library's thread pool), non-daemon threads,
+    atexit handlers, objects finalized (a module's open gzip file gets its end marker), the streams flushed."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

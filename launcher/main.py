@@ -134,7 +134,9 @@ def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
     except ConfigError as error:
         raise Refused(f"the config has {len(error.problems)} problem(s):\n{error}") from None
     snapshot, changed = write_snapshot(cfg, run_dir)
-    if not changed and read_status(run_dir).get("status") == "finished":
+    # The trainer's run is done when it finished with the same config; a script's is its own business (it may have
+    # been edited, or train from scratch each time): it runs again, as under torchrun.
+    if not changed and typed.program.name != "script" and read_status(run_dir).get("status") == "finished":
         print(f"{run_dir}: already finished with this config (status.json); nothing to do")
         return 0
     if typed.program.name == "script":

@@ -210,6 +210,22 @@ def test_a_whole_job_restart_resumes_both_groups_from_the_disk_checkpoint(tmp_pa
     assert "replica group 1: weights identical to the other groups' at step 24 (2 taking part)" in again.stdout
 
 
+def test_a_closed_terminal_stops_every_group_with_its_checkpoint(tmp_path):
+    """SIGHUP to the launcher (its terminal or ssh session closed): every group's agent stops its ranks, which save,
+    as for SIGTERM. Before, the launcher died by SIGHUP's default action and its groups' agents with it, unsaved."""
+    import signal
+
+    from conftest import signalled_launch
+
+    run_dir = tmp_path / "run"
+    proc, out, err = signalled_launch([*GROUPS, "trainer.max_steps=400"], run_dir, tmp_path, sig=signal.SIGHUP,
+                                      env={"STEP_DELAY_MS": "50", "PYTHONPATH": str(FAULTS_DIR)})
+    assert proc.returncode == 128 + signal.SIGHUP, err[-3000:]
+    saved = final_checkpoint(run_dir)
+    assert 3 <= saved["step"] < 400 and f"stopped at step {saved['step']} with a checkpoint" in out
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "stopped"
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["trainer.strategy=fsdp", "trainer.tp=2"], "trainer.fault_tolerance=replicas with trainer.strategy=fsdp trainer.tp=2"),
     (["trainer.strategy=pipeline"], "trainer.fault_tolerance=replicas with trainer.strategy=pipeline"),

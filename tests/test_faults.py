@@ -93,7 +93,9 @@ def assert_trackers_hold_the_run(run_dir, records: list[dict], resumed: int, kil
     assert not any(tag.startswith(("checkpoint/", "memory/")) or tag.endswith("epoch") for tag in mlflow_run.data.metrics)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: the terminal or ssh session closed
+# SIGHUP: the terminal or ssh session closed; SIGUSR2: a scheduler's warning before the time limit (srun --signal=USR2@120:
+# it killed the launcher and the run unsaved, exit 140, before)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2])
 def test_a_signal_to_the_launcher_saves_at_a_step_boundary_and_the_rerun_finishes_exactly(launch, tmp_path, uninterrupted, sig):
     run_dir = tmp_path / "run"
     proc, out, err = signalled_launch(FAULTY, run_dir, cwd=tmp_path, sig=sig)
@@ -104,6 +106,7 @@ def test_a_signal_to_the_launcher_saves_at_a_step_boundary_and_the_rerun_finishe
     # sent once step 3 was logged: the boundary after step 3 may still be ahead of the ranks (seen under CI's load)
     assert 3 <= saved["step"] < 32
     assert f"stopped at step {saved['step']} with a checkpoint" in out
+    assert read_status(run_dir)["status"] == "stopped"
     if sig != signal.SIGTERM:
         return  # from here on the same as after SIGTERM
 
@@ -275,6 +278,39 @@ def test_nodes_reporting_at_once_do_not_both_read_status_before_either_writes(tm
         other_node.kill()
     assert other_node.returncode == 0
     assert read_status(tmp_path)["error"] == cause
+
+
+def test_a_failure_is_reported_on_a_file_system_without_record_locks(tmp_path, monkeypatch, capsys):
+    """Lustre mounted without flock refuses lockf (ENOLCK): every failure report raised there, and the run's status
+    never said why it failed. Now it is written unlocked, said once."""
+    import errno
+    import fcntl
+
+    from launcher.backends.local import record_failure
+    from train.observe.status import read_status
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    record_failure(tmp_path, "rank 1 failed, exit code 1: ValueError: broke", (False, 1.0))
+    record_failure(tmp_path, "rank 0 failed, exit code 1: lost its peer", (True, 2.0))
+    assert read_status(tmp_path)["error"] == "rank 1 failed, exit code 1: ValueError: broke"
+    assert capsys.readouterr().err.count("this file system has no record locks") <= 1
+
+
+def test_a_node_whose_groups_all_failed_before_any_sign_of_life_stops_waiting_for_the_others(tmp_path):
+    """Replica groups on several nodes, all failed before their first log step: RUN_DIR/.alive was never written,
+    and the node's launcher waited for the other nodes' groups forever. The quiet time now counts from the wait's
+    start."""
+    import threading
+
+    from launcher.backends.local import others_finish
+
+    waiting = threading.Thread(target=others_finish, args=(tmp_path, 0.5), daemon=True)
+    waiting.start()
+    waiting.join(timeout=30)
+    assert not waiting.is_alive()
 
 
 def test_ranks_that_fail_alike_print_one_traceback_and_a_line_each(tmp_path):
@@ -488,6 +524,38 @@ def test_the_rendezvous_event_namer_names_the_method_torchs_does_without_reading
 
     ours, theirs = next_rendezvous()
     assert ours == theirs == "next_rendezvous"
+
+
+def test_the_agents_report_of_a_frozen_rank_names_its_global_rank(monkeypatch, tmp_path):
+    """A node's agent reports a rank stopped past the hang limit: its failure was keyed by the local rank, where
+    torch's own monitor keys failures by the global one, so node 1's rank 2 was reported as rank 0."""
+    from types import SimpleNamespace
+
+    from launcher.backends import agent
+
+    frozen_pid = 4242
+    monkeypatch.setattr(agent, "stopped_below", lambda root: {frozen_pid: "train rank 3"})
+    watcher = agent.Agent.__new__(agent.Agent)
+    watcher.frozen_after_s, watcher.hang_dir, watcher.looked_at, watcher.stopped_since = 0.0, tmp_path, 0.0, {}
+    group = SimpleNamespace(workers=[SimpleNamespace(local_rank=0, global_rank=2, id=4241),
+                                     SimpleNamespace(local_rank=1, global_rank=3, id=frozen_pid)])
+    result = watcher.frozen(group)
+    assert list(result.failures) == [3] and result.failures[3].local_rank == 1
+    assert agent.failure_headline(result.failures).startswith("rank 3 failed")
+
+
+def test_a_torch_installed_without_its_sources_runs_torchs_own_agent_instead_of_failing(monkeypatch):
+    """The check of the private parts the agent extends read torch's source outside its guard: an install with
+    bytecode only (inspect.getsource: OSError) failed every launch."""
+    import inspect
+
+    from launcher.backends import agent
+
+    def no_source(obj):
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(inspect, "getsource", no_source)
+    assert agent.extensions_supported() is False
 
 
 @pytest.mark.alone

@@ -126,6 +126,20 @@ def test_a_ctrl_c_while_the_other_nodes_are_awaited_ends_the_launch_at_once(tmp_
     assert json.loads((tmp_path / "run" / "status.json").read_text())["status"] == "stopped"
 
 
+def test_a_node_that_never_comes_ends_the_wait_at_launcher_rdzv_timeout_s(tmp_path):
+    """torch's c10d rendezvous bounds the wait with its join_timeout (600 s by default), not the "timeout" the
+    launcher gave it: a second node that never came kept node 0 waiting 120 s past a 25 s launcher.rdzv_timeout_s."""
+    command = [sys.executable, "-m", "launcher", *FAST, "data=synthetic", "model=mlp", "trainer.nodes=2",
+               "trainer.procs_per_node=1", f"launcher.rdzv_endpoint=localhost:{free_port()}",
+               "launcher.rdzv_timeout_s=5", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)  # before: 600 s
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "not every node came to the rendezvous" in proc.stderr and "launcher.rdzv_timeout_s=5" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "failed" and "launcher.rdzv_timeout_s=5" in status["error"]
+
+
 def test_an_unchanged_torchrun_script_runs_on_two_nodes_by_rendezvous(tmp_path):
     """program=script on two nodes without a scheduler: the same command on each, one rendezvous, each node's rank
     one of a world of 2 (the script's own print says so), its output written by rank 0 once."""

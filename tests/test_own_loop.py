@@ -138,36 +138,88 @@ def test_a_script_whose_ranks_all_go_silent_is_reported_with_every_ranks_stacks(
 
 ENDS = """
 import atexit
+import os
 import sys
 import threading
 
-log = open("left_open.txt", "w")  # never closed: Python's exit flushes it
+import torch
+import torch.distributed as dist
+
+import keeps  # a library of the user's: a thread pool and an archive held by the module, never closed
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo")  # never destroyed: left to the exit, as many scripts do
+total = torch.ones(4)
+dist.all_reduce(total)
+keeps.POOL.submit(lambda: open(f"pool{rank}.txt", "w").write("ran"))
+keeps.ARCHIVE.write("line\\n" * 1000)
+log = open(f"left_open{rank}.txt", "w")  # never closed: Python's exit flushes it
 log.write("written, never flushed")
-atexit.register(lambda: open("atexit.txt", "w").write("ran"))
+atexit.register(lambda: open(f"atexit{rank}.txt", "w").write("ran"))
 go = threading.Event()
-threading.Thread(target=lambda: (go.wait(), open("thread.txt", "w").write("joined"))).start()
+
+
+def writer():
+    go.wait()
+    with open(f"thread{rank}.txt", "w") as out:
+        out.writelines(f"{i}\\n" for i in range(1000))
+
+
+threading.Thread(target=writer).start()  # not a daemon: the exit waits for it
 go.set()
 sys.exit(int(sys.argv[1]))
 """
+KEEPS = """
+import gzip
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+POOL = ThreadPoolExecutor(2)  # ended by threading's exit hook (threading._register_atexit), not by the script
+ARCHIVE = gzip.open(f"archive{os.environ['RANK']}.gz", "wt")  # its end marker is written when it is finalized
+"""
 
 
-def test_a_script_that_ends_by_itself_gets_what_pythons_exit_gives_it_and_its_exit_code(tmp_path):
-    """Each rank of a script ends without Python's finalization (ddp_loop._exit_after_the_script: there, a gloo
-    worker still releasing a collective's tensors aborted ~1 rank in 12 with SIGABRT, and a run that finished was
-    reported failed). What the script expects of its exit still happens: its non-daemon threads are awaited, its
-    atexit handlers run, a file it left open is flushed, and sys.exit(N) is its exit code."""
-    (tmp_path / "ends.py").write_text(ENDS)
+def test_a_script_that_ends_by_itself_ends_as_python_ends_it_with_its_exit_code(tmp_path):
+    """Each rank of a script ends as `python SCRIPT` ends: threading's exit hooks (a library's thread pool), its
+    non-daemon threads, its atexit handlers, its objects finalized (a module's gzip file gets its end marker), its
+    files flushed; sys.exit(N) is its exit code. Before, ddp_loop imitated the exit and skipped the interpreter's
+    finalization (where a gloo thread could abort the rank): a library's ThreadPoolExecutor hung the rank, and the
+    module's gzip file was left without its end marker (EOFError on read). Now the process group the script left is
+    destroyed after its exit handlers, before the finalization (ddp_loop._end_process_groups)."""
+    import gzip
+
     for code in (0, 3):
         here = tmp_path / f"exit{code}"
         here.mkdir()
         (here / "ends.py").write_text(ENDS)
+        (here / "keeps.py").write_text(KEEPS)
         proc = run_cli("launcher", "program=script", "program.script=ends.py", f"program.args=[{code}]",
-                       "trainer.procs_per_node=1", f"hydra.run.dir={here / 'run'}", cwd=here)
+                       "trainer.procs_per_node=2", "trainer.hang_timeout_s=60", f"hydra.run.dir={here / 'run'}",
+                       cwd=here, timeout=180)
         assert proc.returncode == (1 if code else 0), proc.stderr[-2000:]
-        assert (here / "left_open.txt").read_text() == "written, never flushed"
-        assert (here / "atexit.txt").read_text() == "ran" and (here / "thread.txt").read_text() == "joined"
+        for rank in (0, 1):
+            assert (here / f"left_open{rank}.txt").read_text() == "written, never flushed"
+            assert (here / f"atexit{rank}.txt").read_text() == "ran" and (here / f"pool{rank}.txt").read_text() == "ran"
+            assert len((here / f"thread{rank}.txt").read_text().splitlines()) == 1000
+            with gzip.open(here / f"archive{rank}.gz", "rt") as archive:
+                assert archive.read() == "line\n" * 1000
+        status = json.loads((here / "run" / "status.json").read_text())
+        assert status["status"] == ("failed" if code else "finished")
         if code:
-            assert "exit code 3" in json.loads((here / "run" / "status.json").read_text())["error"]
+            assert "exit code 3" in status["error"]
+        assert "hang:" not in proc.stderr
+
+
+def test_a_script_runs_again_when_the_same_command_is_run_again(tmp_path):
+    """A finished script's second launch (edited since, or one that trains from scratch) printed "already finished
+    with this config; nothing to do" and ran nothing: the launcher cannot know what a script's "finished" means."""
+    (tmp_path / "count.py").write_text("open('runs.txt', 'a').write('ran\\n')\n")
+    command = ["launcher", "program=script", "program.script=count.py", "trainer.procs_per_node=1",
+               f"hydra.run.dir={tmp_path / 'run'}"]
+    for _ in range(2):
+        proc = run_cli(*command, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "runs.txt").read_text() == "ran\n" * 2 and "already finished" not in proc.stdout
 
 
 def test_a_sweep_over_the_scripts_arguments_summarises_what_it_reported_and_only_its_own_points(tmp_path):

@@ -56,10 +56,13 @@ from train.finite import NONFINITE_EXIT_CODE
 from train.observe.status import stopped_since
 from train.observe.watchdog import HANG_EXIT_CODE
 
-# The agent turns these into SignalException and forwards them to the workers, which save and stop.
-SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+# The agent turns these into SignalException and forwards them to the workers, which save and stop (torchrun's
+# LaunchConfig.signals_to_handle; its default lacks SIGUSR1/SIGUSR2, with which `srun --signal=USR2@120` and other
+# schedulers warn before a time limit, and which then killed the agent and the run unsaved).
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 # The workers stop gracefully on SIGTERM and SIGINT (trainer.stop_signals); the others would kill them unsaved.
-FORWARDED_AS = {signal.SIGHUP: signal.SIGTERM, signal.SIGQUIT: signal.SIGTERM}
+FORWARDED_AS = {signal.SIGHUP: signal.SIGTERM, signal.SIGQUIT: signal.SIGTERM, signal.SIGUSR1: signal.SIGTERM,
+                signal.SIGUSR2: signal.SIGTERM}
 
 
 def describe(failure: ProcessFailure) -> str:
@@ -267,7 +270,7 @@ class Agent(LocalElasticAgent):
             return None
         pid, name = next(iter(frozen.items()))
         rank = int(name.split()[-1]) if name.split()[-1].isdigit() else None
-        local = next((w.local_rank for w in worker_group.workers if w.global_rank == rank or w.id == pid), 0)
+        worker = next((w for w in worker_group.workers if w.global_rank == rank or w.id == pid), worker_group.workers[0])
         line = (f"{name} (pid {pid}) has been stopped (SIGSTOP, or a debugger holds it) for "
                 f"{now - self.stopped_since[pid]:.0f} s, past trainer.hang_timeout_s and no rank reported it: its "
                 f"group is ended as hung")
@@ -279,7 +282,9 @@ class Agent(LocalElasticAgent):
                 (incident / "summary.txt").write_text(f"hang report by the agent on {os.uname().nodename}: "
                                                       f"no report from rank {rank}: {line}\n")
         self.stopped_since.clear()
-        return RunResult(state=WorkerState.FAILED, failures={local: ProcessFailure(local, pid, HANG_EXIT_CODE, "")})
+        # By global rank, as torch's own monitor keys the failures it reports (a local rank there named another node's)
+        failure = ProcessFailure(worker.local_rank, pid, HANG_EXIT_CODE, "")
+        return RunResult(state=WorkerState.FAILED, failures={worker.global_rank: failure})
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int | None = None) -> None:
         # While the workers save and stop (up to `timeout`), another signal kills them instead of waiting.
@@ -388,13 +393,18 @@ class AnnouncedRendezvous:
 
 def extensions_supported() -> bool:
     """Whether this torch's LocalElasticAgent has the private members `Agent` extends, with the same shapes (and its
-    rendezvous the event namer `caller_name` replaces)."""
+    rendezvous the event namer `caller_name` replaces). An install without torch's Python sources (only bytecode:
+    inspect.getsource raises OSError) cannot be checked: torch's own agent runs there, as on an untested torch."""
     try:
-        monitor = inspect.signature(LocalElasticAgent._monitor_workers)
-        shutdown = inspect.signature(LocalElasticAgent._shutdown)
-        namer = inspect.signature(dynamic_rendezvous.get_method_name)
-    except (AttributeError, TypeError, ValueError):
+        return _extensions_there()
+    except (AttributeError, TypeError, ValueError, OSError):
         return False
+
+
+def _extensions_there() -> bool:
+    monitor = inspect.signature(LocalElasticAgent._monitor_workers)
+    shutdown = inspect.signature(LocalElasticAgent._shutdown)
+    namer = inspect.signature(dynamic_rendezvous.get_method_name)
     if list(namer.parameters) != ["depth"]:
         return False
     source = inspect.getsource(LocalElasticAgent)
@@ -468,7 +478,8 @@ def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_af
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(Repeated())
     if extensions_supported():
         dynamic_rendezvous.get_method_name = caller_name
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = SIGNALS_TO_HANDLE
+    # What torch's launch_agent does with LaunchConfig.signals_to_handle (a field since torch 2.12; the variable before)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = getattr(config, "signals_to_handle", None) or SIGNALS_TO_HANDLE
     # The trainer's workers must not reuse the agent's rendezvous store: its keys outlive a restart, and the
     # restarted ranks read their predecessors' addresses and hang in init (pytorch/pytorch#135712). Rank 0 hosts
     # a fresh store per attempt instead, on a port the agent picks. A script gets torchrun's default.

@@ -24,10 +24,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig
 
 from launcher.backends.agent import (
     FROZEN_MARGIN_S,
+    SIGNALS_TO_HANDLE,
     failure_headline,
     failure_report,
     first_failed,
@@ -73,7 +75,9 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
         run_id=rendezvous_id(cfg, run_dir),
         rdzv_backend="c10d",
         rdzv_endpoint=cfg.launcher.rdzv_endpoint or "localhost:0",
-        rdzv_configs={"timeout": cfg.launcher.rdzv_timeout_s},
+        # join_timeout bounds the wait for the other nodes (torch's c10d rendezvous reads it; "timeout" alone left
+        # its default, 600 s); "timeout" is what this launcher's own messages and torch's store read.
+        rdzv_configs={"join_timeout": cfg.launcher.rdzv_timeout_s, "timeout": cfg.launcher.rdzv_timeout_s},
         max_restarts=cfg.launcher.max_restarts,
         monitor_interval=cfg.launcher.monitor_interval_s,
         # Where the agent keeps each attempt's error files (a failed rank's traceback); stdout stays on the console.
@@ -82,8 +86,10 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
         # node's; a KubeRay pod answers by IP only), else torch looks up this machine's FQDN.
         local_addr=os.environ.get(NODE_ADDR_ENV) or None,
     )
-    # A field of LaunchConfig since torch 2.13, set after construction so that torch 2.11 takes it too (launcher.backends.agent).
+    # Fields of LaunchConfig in newer torch, set after construction so that torch 2.11 takes them too
+    # (launcher.backends.agent reads them where they are).
     config.shutdown_timeout = cfg.launcher.shutdown_timeout_s
+    config.signals_to_handle = SIGNALS_TO_HANDLE
     return config
 
 
@@ -206,6 +212,13 @@ def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig
         # A loss that was not finite: the ranks' exit code (65, EX_DATAERR) is the launch's, as docs/watching.md says,
         # so that a script or a scheduler can tell it from a crash (a rerun would meet it again)
         return NONFINITE_EXIT_CODE if restart_would_repeat(error.failures) else 1
+    except RendezvousTimeoutError:
+        error = (f"not every node came to the rendezvous at {cfg.launcher.rdzv_endpoint} within "
+                 f"launcher.rdzv_timeout_s={cfg.launcher.rdzv_timeout_s} (trainer.nodes={cfg.trainer.nodes}): start the "
+                 f"same command on every node, or give them longer with launcher.rdzv_timeout_s")
+        print(f"error: {error}", file=sys.stderr)
+        record_failure(run_dir, error, (False, time.time()))
+        return 1
     except KeyboardInterrupt:  # Ctrl-C before torch's agent took the signals over: in the rendezvous, say
         print(f"stopped by SIGINT before the workers started (while the nodes met at "
               f"{cfg.launcher.rdzv_endpoint or 'this machine'}); run the same command again to start.", file=sys.stderr)
@@ -256,12 +269,14 @@ def others_finish(run_dir: Path, quiet_s: float) -> None:
     """Wait while the other nodes' replica groups still train (a group's rank 0 marked RUN_DIR/.alive within
     `quiet_s`: every group's, not metrics.jsonl, which group 0 alone writes), until the run is finished or stopped
     (status.json; "failed" may be this node's own groups' word)."""
-    alive = run_dir / ALIVE_FILE
+    alive, since = run_dir / ALIVE_FILE, time.time()
     while read_status(run_dir).get("status") not in ("finished", "stopped"):
+        last = since  # no sign of life yet (every group failed before its first log step): counted from here
         with contextlib.suppress(OSError):
-            if time.time() - alive.stat().st_mtime > quiet_s:
-                return
-        time.sleep(1)
+            last = max(since, alive.stat().st_mtime)
+        if time.time() - last > quiet_s:
+            return
+        time.sleep(min(1.0, quiet_s))
 
 
 def launch_replica_groups(cfg: Config, snapshot: Path, first: bool | None = None, place: int | None = None) -> int:
@@ -306,7 +321,9 @@ def launch_replica_groups(cfg: Config, snapshot: Path, first: bool | None = None
 
 
 def _forward_stops(groups: list[subprocess.Popen]):
-    """SIGTERM and SIGINT go to every group's agent (each stops its ranks, which save); the old handlers after.
+    """The stop signals (the agents' own: SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) go to every group's
+    agent, which stops its ranks (they save); the old handlers after. Unhandled here, a SIGHUP (a closed terminal)
+    ended this launcher by its default action, and the agents, which die with it, were killed with their ranks unsaved.
     Not within a SLURM step, whose signals (scancel, the warning before the time limit) reach every process of the
     step, the agents included: passed on, each would get it twice."""
     if os.environ.get("SLURM_STEP_ID"):
@@ -317,7 +334,7 @@ def _forward_stops(groups: list[subprocess.Popen]):
             if group.poll() is None:
                 group.send_signal(signum)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    old = {s: signal.signal(s, forward) for s in (signal.Signals[name] for name in SIGNALS_TO_HANDLE.split(","))}
     return lambda: [signal.signal(s, h) for s, h in old.items()]
 
 

@@ -7,8 +7,11 @@ or is submitted to SLURM. A re-run skips a finished run whose config did not cha
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
+import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,10 +48,23 @@ def stopped_since(run_dir: Path, started: float) -> dict | None:
 def status_held(run_dir: Path) -> Iterator[None]:
     """status.json to read and rewrite with no other writer in between: every node's launcher (every SLURM task)
     reports its own ranks' failure at once, and the first cause must not be overwritten by a node that read the file
-    before it was written. A POSIX record lock, which shared file systems (NFS) pass between machines."""
+    before it was written. A POSIX record lock, which shared file systems (NFS) pass between machines; on one
+    without locks (Lustre mounted without flock) the report is written unlocked, said once, rather than lost."""
     with open(Path(run_dir) / STATUS_LOCK, "a") as lock:
-        fcntl.lockf(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.lockf(lock, fcntl.LOCK_EX)
+        except OSError as error:
+            if error.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+                raise
+            if not _unlocked_said:
+                _unlocked_said.append(True)
+                print(f"warning: {run_dir}: this file system has no record locks ({os.strerror(error.errno)}); nodes "
+                      f"reporting at the same moment may overwrite each other's status.json (mount it with -o flock "
+                      f"to close that gap)", file=sys.stderr)
         yield
+
+
+_unlocked_said: list[bool] = []
 
 
 def mark_alive(run_dir: Path) -> None:
