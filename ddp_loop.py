@@ -8,11 +8,14 @@ torchrun, where these answer as torchrun's world does (no run directory: ./check
         ...
         ddp_loop.report(step, loss=loss.item())           # metrics.jsonl, the trackers, the console line
         if ddp_loop.should_stop():                         # SIGTERM, Ctrl-C, SLURM's warning: every rank agrees
-            save(ckpt); break                              # exit 0: the launcher marks the run stopped
+            break                                          # exit 0: the launcher marks the run stopped
+    with ddp_loop.saving():                                # no rank is ended as hung meanwhile
+        save(ckpt)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -88,6 +91,7 @@ def report(step: int, **metrics: float) -> None:
     """Rank 0: a line of metrics.jsonl in the run directory (kind "train"), drawn into the run's trackers
     (TensorBoard in RUN_DIR/tb by default; W&B, MLflow: `loggers:`) as train/<name>, and a console line; other
     ranks: nothing."""
+    heartbeat()
     if rank() != 0:
         return
     values = {k: float(v) for k, v in metrics.items()}
@@ -133,12 +137,43 @@ def _stop_following() -> None:
 
 
 HANG_ENV = "LAUNCHER_HANG_TIMEOUT_S"  # trainer.hang_timeout_s, set by the launcher; 0 or unset: no watch
+ON_HANG_ENV = "LAUNCHER_ON_HANG"  # program.on_hang: auto (end a script that uses this API), report, end
 HANG_EXIT_CODE = 70  # as the trainer's watchdog: a detected hang, not a crash
 ALIVE = ".alive"  # RUN_DIR/.alive: the last sign of life of any rank (train/observe/status.py ALIVE_FILE)
+STORE_TIMEOUT_S = 10  # a store call of the watch's (a connect: retried at the next tick)
+RUNNER = "ddp_loop.__runner__"  # in sys.modules: the runner's instance of this module, which holds the watch
+_WATCH = None  # the runner's hang watch (_Watch), where there is one
+
+
+def heartbeat() -> None:
+    """A sign of life without metrics, for a script that reports seldom (a long evaluation, a data pass): any call
+    on any rank counts for the run's hang watch (trainer.hang_timeout_s)."""
+    watch = _watch()
+    if watch is not None:
+        watch.beat(api=True)
+
+
+@contextlib.contextmanager
+def saving():
+    """Wrap a checkpoint's write in it (`with ddp_loop.saving(): torch.save(...)`): while any rank is inside, no rank
+    is ended as hung, however long the write takes, so a hang watch never leaves a checkpoint half written."""
+    watch = _watch()
+    if watch is None:
+        yield
+        return
+    watch.saving(+1)
+    try:
+        yield
+    finally:
+        watch.saving(-1)
+
+
+def _watch():
+    return getattr(sys.modules.get(RUNNER), "_WATCH", None)
 
 
 class _Beating:
-    """sys.stdout / sys.stderr as they were, each write a sign of life (the file's time, at most once a second)."""
+    """sys.stdout / sys.stderr as they were, each write a sign of life (a count in memory: no file is touched)."""
 
     def __init__(self, stream, beat):
         self._stream, self._beat = stream, beat
@@ -156,72 +191,161 @@ class _Beating:
 
 
 class _Watch:
-    """A script's hang report, without the script's cooperation: every rank counts as alive while any rank prints
-    (stdout or stderr, from Python) or reports; when none has for `timeout_s`, every rank writes its threads' stacks
-    into RUN_DIR/hang/<incident>/rank<R>.txt (the incident named by the last sign of life: the same folder for every
-    rank), with summary.txt, says so on stderr and exits with HANG_EXIT_CODE, so that the launcher restarts the ranks
-    (launcher.max_restarts) or fails the run with the reason. A rank stuck in C code holding the GIL, or frozen whole,
-    writes nothing: the others' stacks show where they wait for it."""
+    """A script's hang watch. Signs of life are counted in memory (a print to stdout or stderr from Python, a report,
+    a heartbeat) and added, once a tick, to one counter of the whole run in the store the ranks already share
+    (MASTER_ADDR:MASTER_PORT: the agent's store under the launcher, rank 0's on SLURM); a rank inside `saving()` is
+    counted there at once. Each rank judges the counter with its own monotonic clock: no file is touched per print,
+    and no two machines' clocks are compared. When it has not moved for `timeout_s` and no rank is saving, every rank
+    writes its threads' stacks into RUN_DIR/hang/<incident>/rank<R>.txt (the incident named by the attempt and the
+    counter: the same folder on every rank), with summary.txt, and says so on stderr. Then, by program.on_hang:
+    `auto` ends the ranks (exit HANG_EXIT_CODE: the launcher restarts them or fails the run with the reason) where
+    the script uses this API (its saves can be wrapped in saving()), and only reports a script that does not;
+    `end` always ends them, `report` never does. A rank stuck in C code holding the GIL, or frozen whole, writes no
+    stacks: the others' show where they wait for it, and the summary names it."""
 
-    def __init__(self, folder: Path, timeout_s: float):
-        self.alive, self.timeout_s, self.last = folder / ALIVE, timeout_s, 0.0
-        self.tick_s = min(5.0, max(0.2, timeout_s / 10))
-        self.alive.touch()  # this attempt's start counts as a sign of life
-        sys.stdout, sys.stderr = _Beating(sys.stdout, self.beat), _Beating(sys.stderr, self.beat)
+    def __init__(self, folder: Path, timeout_s: float, on_hang: str):
         import threading
 
-        threading.Thread(target=self._run, name="ddp_loop hang watch", daemon=True).start()
+        self.folder, self.timeout_s, self.on_hang = folder, timeout_s, on_hang
+        self.tick_s = min(5.0, max(0.2, timeout_s / 10))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        attempt = os.environ.get("TRAIN_RENDEZVOUS_ROUND") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.prefix, self.attempt = f"ddp_loop/hang/{attempt}", attempt
+        self.beats, self.used_api, self.local_saving = 0, False, 0
+        self.clients: dict[int, object] = {}  # a store client per thread (the watch's, the script's saving())
+        self.stopped = threading.Event()
+        sys.stdout, sys.stderr = _Beating(sys.stdout, self.beat), _Beating(sys.stderr, self.beat)
+        self.thread = threading.Thread(target=self._run, name="ddp_loop hang watch", daemon=True)
+        self.thread.start()
 
-    def beat(self) -> None:
-        now = time.time()
-        if now - self.last >= 1.0:
-            self.last = now
+    def end(self) -> None:
+        """At the script's exit, while the interpreter still runs: the watch's thread ends and its store clients go
+        (a C++ client's thread destroyed in the interpreter's finalization aborts the process)."""
+        self.stopped.set()
+        self.thread.join(timeout=2 * STORE_TIMEOUT_S)
+        self.clients.clear()
+
+    def beat(self, api: bool = False) -> None:
+        self.beats += 1  # from any thread: a beat lost to a race is one of many
+        if api:
+            self.used_api = True
+
+    def saving(self, delta: int) -> None:
+        self.beat(api=True)
+        self.local_saving += delta
+        store = self._store()
+        if store is not None:
+            store.add(f"{self.prefix}/saving", delta)
+
+    def _store(self):
+        """This thread's client of the ranks' store, or None with one rank (its own counts are the run's) or where
+        none answers within STORE_TIMEOUT_S (not there yet: rank 0's store on SLURM comes with its first collective)."""
+        import threading
+
+        if self.world == 1 or "MASTER_ADDR" not in os.environ:
+            return None
+        client = self.clients.get(threading.get_ident())
+        if client is None:
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
             try:
-                os.utime(self.alive)
-            except OSError:
-                pass
+                client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                       timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+            except Exception:  # noqa: BLE001 - not there (yet): the caller goes on without it
+                return None
+            self.clients[threading.get_ident()] = client
+        return client
+
+    def _counts(self, published: list[int]) -> tuple[int, int, int]:
+        """(every rank's signs of life so far, ranks saving now, ranks that used the API), this rank's added."""
+        store = self._store()
+        if store is None:
+            if self.world > 1:
+                raise ConnectionError("no store to share the counts")
+            return self.beats, self.local_saving, int(self.used_api)
+        beats, api = self.beats, self.used_api
+        total = store.add(f"{self.prefix}/beats", beats - published[0])
+        published[0] = beats
+        users = store.add(f"{self.prefix}/api", int(api and not published[1]))
+        published[1] = int(api)
+        return total, store.add(f"{self.prefix}/saving", 0), users
 
     def _run(self) -> None:
-        while True:
-            time.sleep(self.tick_s)
-            try:
-                since = self.alive.stat().st_mtime
-            except OSError:
-                continue
-            if time.time() - since > self.timeout_s:
-                self._report(since)
+        import threading
 
-    def _report(self, since: float) -> None:
+        published, last, moved_at, said = [0, 0], None, time.monotonic(), False
+        while not self.stopped.wait(self.tick_s):
+            try:
+                total, saving, users = self._counts(published)
+            except Exception:  # noqa: BLE001 - the store went (its host ended): nothing to judge from here
+                self.clients.pop(threading.get_ident(), None)
+                continue
+            now = time.monotonic()
+            if total != last or saving:  # progress, or a save under way (however long: its window ends no rank)
+                if total != last and os.environ.get("RANK", "0") == "0":
+                    _touch(self.folder / ALIVE)  # one group's sign of life, once a tick (others_finish reads it)
+                last, moved_at, said = total, now, False
+                continue
+            if now - moved_at > self.timeout_s and not said:
+                said = True
+                self._report(total, end=self.on_hang == "end" or (self.on_hang == "auto" and users > 0))
+
+    def _report(self, total: int, end: bool) -> None:
         import faulthandler
 
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(since))
-        incident = self.alive.parent / "hang" / f"{stamp}-script-silent"
+        incident = self.folder / "hang" / f"script-silent-attempt{self.attempt}-at{total}"
         incident.mkdir(parents=True, exist_ok=True)
         with open(incident / f"rank{rank()}.txt", "w") as out:
-            out.write(f"rank {rank()} (pid {os.getpid()}), no rank printed or reported since "
-                      f"{time.strftime('%H:%M:%S', time.localtime(since))}:\n")
+            out.write(f"rank {rank()} (pid {os.getpid()}): no rank printed, reported or saved for {self.timeout_s:g} s "
+                      f"(trainer.hang_timeout_s):\n")
             out.flush()
             faulthandler.dump_traceback(file=out, all_threads=True)
-        summary = (f"hang report of a script (program=script): no rank printed or reported for {self.timeout_s:g} s "
-                   f"(trainer.hang_timeout_s); each rank's stacks: rank<R>.txt in this folder (a rank that wrote "
-                   f"none was stuck holding the GIL, frozen or gone)\n")
-        (incident / "summary.txt").write_text(summary)
         # Every rank notices within a tick of the others: wait for their stacks before exiting (a rank that ends
         # first breaks the others' collectives, and they would be caught unwinding instead of where they waited).
-        world, deadline = int(os.environ.get("WORLD_SIZE", "1")), time.monotonic() + max(5.0, 3 * self.tick_s)
-        while len(list(incident.glob("rank*.txt"))) < world and time.monotonic() < deadline:
+        deadline = time.monotonic() + max(5.0, 3 * self.tick_s)
+        while len(list(incident.glob("rank*.txt"))) < self.world and time.monotonic() < deadline:
             time.sleep(0.1)
-        sys.__stderr__.write(f"[rank {rank()}] hang: no rank printed or reported for {self.timeout_s:g} s "
-                             f"(trainer.hang_timeout_s); the stacks of every rank are in {incident}\n")
+        written = {int(p.stem[4:]) for p in incident.glob("rank*.txt") if p.stem[4:].isdigit()}
+        silent = sorted(set(range(self.world)) - written)
+        what = ("ended (exit 70): the launcher restarts them (launcher.max_restarts) or fails the run" if end else
+                "not ended: program.on_hang=auto ends a script that uses ddp_loop's API (report, heartbeat, saving), "
+                "program.on_hang=end any script")
+        summary = (f"hang report of a script (program=script): no rank printed, reported or saved for "
+                   f"{self.timeout_s:g} s (trainer.hang_timeout_s); each rank's stacks: rank<R>.txt in this folder"
+                   + (f"; rank(s) {silent} wrote none (stuck holding the GIL, frozen or gone)" if silent else "")
+                   + f"; the ranks were {what}\n")
+        if rank() == 0:
+            (incident / "summary.txt").write_text(summary)
+        sys.__stderr__.write(f"[rank {rank()}] hang: no rank printed, reported or saved for {self.timeout_s:g} s "
+                             f"(trainer.hang_timeout_s); the stacks of every rank are in {incident}; {what}\n")
         sys.__stderr__.flush()
-        os._exit(HANG_EXIT_CODE)
+        if end and not self._anyone_saving():
+            os._exit(HANG_EXIT_CODE)
+
+    def _anyone_saving(self) -> bool:
+        """A save that began while the stacks were written ends no rank."""
+        try:
+            return self._counts([self.beats, int(self.used_api)])[1] > 0
+        except Exception:  # noqa: BLE001
+            return self.local_saving > 0
+
+
+def _touch(path: Path) -> None:
+    try:
+        path.touch()
+    except OSError:
+        pass
 
 
 def _watch_for_hangs() -> None:
     """Under the launcher with trainer.hang_timeout_s: the hang watch (_Watch)."""
+    global _WATCH
     folder, timeout_s = run_dir(), float(os.environ.get(HANG_ENV) or 0)
     if folder is not None and timeout_s > 0:
-        _Watch(folder, timeout_s)
+        _WATCH = _Watch(folder, timeout_s, os.environ.get(ON_HANG_ENV) or "auto")
+    sys.modules[RUNNER] = sys.modules[__name__]  # where the script's own `import ddp_loop` finds the watch
 
 
 def _cuda() -> bool:
@@ -244,7 +368,7 @@ def _run(argv: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     _watch_for_hangs()
-    atexit.register(_end_process_groups)  # before the script's own: atexit runs them last in, first out
+    atexit.register(_at_exit)  # before the script's own: atexit runs them last in, first out
 
     if argv[:1] == ["-m"]:
         sys.path.insert(0, os.getcwd())
@@ -274,6 +398,12 @@ def _module_to_run(name: str):
     if spec is None or spec.loader is None:
         raise ImportError(f"No module named {name}")
     return _module_to_run(f"{name}.__main__") if spec.submodule_search_locations is not None else spec
+
+
+def _at_exit() -> None:
+    if _WATCH is not None:
+        _WATCH.end()
+    _end_process_groups()
 
 
 def _end_process_groups() -> None:

@@ -52,6 +52,9 @@ class ProgramConfig:
     script: str = ""  # program=script: the Python file every rank runs (relative to the launch directory)
     module: str = ""  # program=script: or a module, run as python -m MODULE
     args: list[str] = field(default_factory=list)  # program=script: its command-line arguments
+    # program=script, when no rank printed, reported or saved for trainer.hang_timeout_s: auto: the ranks are ended
+    # (restarted or failed) where the script uses ddp_loop's API, else only reported | report | end (ddp_loop._Watch)
+    on_hang: str = "auto"
 
 
 @dataclass

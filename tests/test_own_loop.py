@@ -119,21 +119,88 @@ dist.barrier()
 
 def test_a_script_whose_ranks_all_go_silent_is_reported_with_every_ranks_stacks(tmp_path):
     """No rank printed or reported for trainer.hang_timeout_s: every rank writes its stacks into RUN_DIR/hang/ (rank 1
-    where it is stuck, rank 0 in the barrier that waits for it) and exits 70; the run fails with the reason."""
+    where it is stuck, rank 0 in the barrier that waits for it) and, as asked (program.on_hang=end), exits 70; the
+    run fails with the reason."""
     here = project(tmp_path)
     (here / "hangs.py").write_text(HANGS)
     run_dir = here / "runs" / "hangs"
     proc = run_cli("launcher", "program=script", "program.script=hangs.py", "trainer.procs_per_node=2",
-                   "trainer.hang_timeout_s=4", f"hydra.run.dir={run_dir}", cwd=here, timeout=120)
+                   "trainer.hang_timeout_s=4", "program.on_hang=end", f"hydra.run.dir={run_dir}", cwd=here, timeout=120)
     assert proc.returncode != 0
-    assert "hang: no rank printed or reported for 4 s (trainer.hang_timeout_s)" in proc.stderr, proc.stderr[-3000:]
+    assert "hang: no rank printed, reported or saved for 4 s (trainer.hang_timeout_s)" in proc.stderr, proc.stderr[-3000:]
     [incident] = (run_dir / "hang").iterdir()
-    assert "no rank printed or reported for 4 s" in (incident / "summary.txt").read_text()
+    summary = (incident / "summary.txt").read_text()
+    assert "no rank printed, reported or saved for 4 s" in summary and "ended (exit 70)" in summary
     stacks = {r: (incident / f"rank{r}.txt").read_text() for r in (0, 1)}
     assert "stuck_here" in stacks[1] and "hangs.py" in stacks[1]
     assert "barrier" in stacks[0] and "stuck_here" not in stacks[0]
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed" and "exit code 70" in status["error"], status
+
+
+# Rank 1 goes silent until the hang is reported, then goes on: a script without ddp_loop's API is reported, and its
+# ranks are not ended (program.on_hang=auto), so it can still finish.
+SILENT_UNTIL_REPORTED = """
+import glob
+import os
+import time
+
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    while not glob.glob(os.path.join(os.environ["LAUNCHER_RUN_DIR"], "hang", "*", "summary.txt")):
+        time.sleep(0.1)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_silent_script_without_the_api_is_reported_and_not_ended(tmp_path):
+    here = project(tmp_path)
+    (here / "silent.py").write_text(SILENT_UNTIL_REPORTED)
+    run_dir = here / "runs" / "silent"
+    proc = run_cli("launcher", "program=script", "program.script=silent.py", "trainer.procs_per_node=2",
+                   "trainer.hang_timeout_s=3", f"hydra.run.dir={run_dir}", cwd=here, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [incident] = (run_dir / "hang").iterdir()
+    assert sorted(p.name for p in incident.glob("rank*.txt")) == ["rank0.txt", "rank1.txt"]
+    assert "not ended: program.on_hang=auto" in (incident / "summary.txt").read_text()
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+
+
+# Rank 0 saves for longer than the hang limit without printing, inside ddp_loop.saving(); rank 1 waits for it in a
+# barrier. Before, the watch ended both ranks mid-save and the previous good checkpoint was left unreadable.
+SAVES_SLOWLY = """
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import ddp_loop
+
+dist.init_process_group("gloo")
+ddp_loop.report(1, loss=1.0)
+if dist.get_rank() == 0:
+    with ddp_loop.saving(), open(ddp_loop.checkpoint_dir() / "last.bin", "wb") as out:
+        for _ in range(12):  # 6 s, twice trainer.hang_timeout_s, in silence
+            out.write(os.urandom(1 << 16))
+            time.sleep(0.5)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_rank_saving_for_longer_than_the_hang_limit_is_never_ended(tmp_path):
+    here = project(tmp_path)
+    (here / "saves.py").write_text(SAVES_SLOWLY)
+    run_dir = here / "runs" / "saves"
+    proc = run_cli("launcher", "program=script", "program.script=saves.py", "trainer.procs_per_node=2",
+                   "trainer.hang_timeout_s=3", f"hydra.run.dir={run_dir}", cwd=here, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "last.bin").stat().st_size == 12 << 16
+    assert not (run_dir / "hang").exists() and "hang:" not in proc.stderr
 
 
 ENDS = """

@@ -12,7 +12,8 @@ What the launcher gives it without its cooperation: the run directory's lease, t
 status.json (running, then finished, failed with the first failing rank's error, or stopped), restarts
 (launcher.max_restarts), the failing rank's own traceback, and a stop signal passed on as SIGTERM/SIGINT to every
 rank (the script's own handler, or ddp_loop's, decides what a stop does), and a hang report with every
-rank's stacks when no rank printed or reported for trainer.hang_timeout_s (ddp_loop's runner watches).
+rank's stacks when no rank printed, reported or saved for trainer.hang_timeout_s (ddp_loop's runner watches; the ranks
+are then ended by program.on_hang).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ PROGRAMS = ("trainer", "script")  # program.name: conf/program/
 RUN_DIR_ENV = "LAUNCHER_RUN_DIR"
 DEVICE_ENV = "LAUNCHER_DEVICE"
 HANG_ENV = "LAUNCHER_HANG_TIMEOUT_S"  # ddp_loop's hang watch (the same name there: it imports nothing of ours)
+ON_HANG_ENV = "LAUNCHER_ON_HANG"  # program.on_hang, for the same watch
+ON_HANG = ("auto", "report", "end")
 TRACKERS_ENV = "LAUNCHER_TRACKERS"  # ddp_loop's report() feeds the trackers (train/observe/follow.py) where "1"
 
 
@@ -60,7 +63,7 @@ def script_summary(cfg: Config, run_dir: Path) -> str:
 def script_env(cfg: Config, run_dir: Path) -> dict[str, str]:
     """The launcher's variables for every rank of a script (LAUNCHER_DEVICE: cuda means cuda:LOCAL_RANK)."""
     return {RUN_DIR_ENV: str(run_dir), DEVICE_ENV: "cuda" if cfg.trainer.gpus else "cpu",
-            HANG_ENV: str(cfg.trainer.hang_timeout_s),
+            HANG_ENV: str(cfg.trainer.hang_timeout_s), ON_HANG_ENV: cfg.program.on_hang,
             TRACKERS_ENV: "1" if any(node is not None for node in (cfg.loggers or {}).values()) else "0"}
 
 
@@ -68,6 +71,10 @@ def check_script(cfg: Config, problems: list[str]) -> None:
     """program=script: one script or one module, there to run; the world and backend keys are checked as for the
     trainer. Arguments are the script's own: passed as they are."""
     p = cfg.program
+    if p.on_hang not in ON_HANG:
+        problems.append(f"program.on_hang={p.on_hang!r} is not one of {', '.join(ON_HANG)}: auto ends a hung script's "
+                        f"ranks where it uses ddp_loop's API and only reports one that does not; report never ends "
+                        f"them; end always does.")
     if p.script and p.module:
         problems.append(f"program.script={p.script} and program.module={p.module} are both given: program=script runs "
                         f"one Python file or one module; keep one of them.")
