@@ -17,8 +17,5 @@ _here = os.getcwd()
 while "" in sys.path or _here in sys.path:
     sys.path.remove("" if "" in sys.path else _here)
 import train  # noqa: E402,F401  (ours, before the working directory can offer a train.py of its own)
-from launcher import moved  # noqa: E402  (the module paths from before launcher/ was grouped by concern)
-
-moved.install()
 
 sys.path.append(_here)

@@ -56,7 +56,8 @@ def test_the_launchers_modules_import_each_other_without_a_cycle():
 
 # launcher/ by concern, each floor importing only those below it (and the config's types, launcher/schema.py)
 FLOORS = ["launcher.run_dir", "launcher.backends", "launcher.checks", "launcher.tools"]
-ENTRY = {"launcher", "launcher.__main__", "launcher.main", "launcher.moved", "launcher.schema"}
+ENTRY = {"launcher", "launcher.__main__", "launcher.main", "launcher.schema", "launcher.jobs", "launcher.export",
+         "launcher.sweep", "launcher.doctor"}  # the commands keep their short names (launcher/jobs.py: its tools/ module)
 
 
 def floor(module: str) -> int:
@@ -74,27 +75,15 @@ def test_the_launchers_folders_hold_one_concern_each_and_import_one_way():
     assert graph["launcher.schema"] <= {"launcher"}  # the config's types depend on nothing of ours
 
 
-def test_the_launchers_module_paths_from_before_the_move_name_the_same_objects():
-    """A SLURM job submitted before the move unpickles its task by the old path; `python -m launcher.jobs` and the
-    other commands keep their short names."""
-    import pickle
+def test_the_commands_keep_their_short_names():
+    """`python -m launcher.jobs` (export, sweep, doctor): the names the docs give, each running its tools/ module."""
     import subprocess
     import sys
 
-    from launcher.backends import slurm_job
-    from launcher.moved import MODULES
-
-    from train.moved import OldPaths
-
-    for old, new in MODULES.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-    assert sum(isinstance(finder, OldPaths) for finder in sys.meta_path) == 1  # one finder holds both tables
-    task = slurm_job.Requeues.__new__(slurm_job.Requeues)
-    old_pickle = pickle.dumps(task, protocol=0).replace(b"launcher.backends.slurm_job", b"launcher.slurm_job")
-    assert b"launcher.slurm_job" in old_pickle and type(pickle.loads(old_pickle)) is slurm_job.Requeues
-    out = subprocess.run([sys.executable, "-m", "launcher.jobs", "--help"], cwd=REPO, capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0 and "status" in out.stdout, out.stderr
+    for command, word in (("jobs", "status"), ("export", "--out"), ("sweep", "summary")):
+        out = subprocess.run([sys.executable, "-m", f"launcher.{command}", "--help"], cwd=REPO, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0 and word in out.stdout, (command, out.stdout, out.stderr)
 
 
 def test_no_lower_floor_of_train_reaches_up_to_the_run():
@@ -112,59 +101,6 @@ def test_no_lower_floor_of_train_reaches_up_to_the_run():
 def test_train_never_imports_the_launcher():
     assert not {m: t for m, t in imports_of("train").items() if any(x.startswith("launcher") for x in t)}
     assert not [m for m, targets in imports_of("train").items() if any("submitit" in t or "hydra.main" in t for t in targets)]
-
-
-# Targets as configs and run directories named them before train/ was grouped by concern (data/, parallel/,
-# models/, checkpoint/), and what they name today.
-OLD_TARGETS = {
-    "train.models.cnn": "train.models.vision.cnn",
-    "train.models.resnet18": "train.models.vision.resnet18",
-    "train.gpt.GPT": "train.models.gpt.GPT",
-    "train.gpt.GPTPipeline": "train.models.gpt.GPTPipeline",
-    "train.data.digits": "train.data.sets.digits",
-    "train.data.synthetic": "train.data.sets.synthetic",
-    "train.tokens.TokenWindows": "train.data.tokens.TokenWindows",
-    "train.images.ImageFolder": "train.data.images.ImageFolder",
-    "train.parallel.Strategy": "train.parallel.strategy.Strategy",
-    "train.state.build_state": "train.checkpoint.state.build_state",
-}
-
-
-def test_the_module_paths_from_before_the_move_name_the_same_objects():
-    from hydra.utils import get_object
-
-    from train.moved import current_path
-
-    for old, new in OLD_TARGETS.items():
-        assert get_object(old) is get_object(new), old
-        assert current_path(old) == new
-        assert current_path(new) == new
-
-
-FIXTURE = REPO / "tests" / "fixtures" / "run_made_before_the_move"
-# The overrides the fixture was made with (by the commit before the move): `python -m launcher <these>
-# trainer.max_steps=2`, its step 2 checkpoint kept.
-FIXTURE_RUN = ["trainer.procs_per_node=1", "trainer.eval_every=0", "checkpoint.every_steps=1", "model.width=8",
-               "~loggers.tensorboard", "trainer.progress=lines", "trainer.threads=1", "trainer.max_steps=4"]
-
-
-def test_a_run_directory_made_before_the_move_resumes_after_it(tmp_path, launch):
-    import shutil
-
-    from conftest import final_checkpoint
-
-    old = tmp_path / "old"
-    shutil.copytree(FIXTURE, old)
-    assert "_target_: train.models.cnn\n" in (old / "config.yaml").read_text()
-    resumed = launch(*FIXTURE_RUN, f"hydra.run.dir={old}")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed at step 2" in resumed.stdout
-    straight = launch(*FIXTURE_RUN, f"hydra.run.dir={tmp_path / 'straight'}")
-    assert straight.returncode == 0
-    a, b = final_checkpoint(old), final_checkpoint(tmp_path / "straight")
-    assert a["step"] == b["step"] == 4
-    for name, tensor in b["model"].items():
-        assert torch.equal(a["model"][name], tensor), name
 
 
 def test_a_ddp_launch_does_not_import_what_only_sharding_needs():

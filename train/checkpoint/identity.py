@@ -10,7 +10,6 @@ momentum, betas), the batch size, the world size, the strategy, precision, loggi
 from __future__ import annotations
 
 from train.config import flatten
-from train.moved import current_path
 
 # Keys (and sections) whose values define a run ...
 DEFINING = ("model", "task", "data", "optim.optimizer._target_", "optim.decay_norms_and_biases", "trainer.seed",
@@ -26,10 +25,8 @@ def _under(key: str, prefixes: tuple[str, ...]) -> bool:
 
 
 def run_identity(config: dict) -> dict:
-    """The flattened values of `config` (a resolved config as a dict) that define its run; targets named by their
-    module paths of today (a run directory made before train/ was grouped by concern is the same run)."""
-    return {k: current_path(v) if k.endswith("_target_") and isinstance(v, str) else v
-            for k, v in flatten(config).items() if _under(k, DEFINING) and not _under(k, NOT_DEFINING)}
+    """The flattened values of `config` (a resolved config as a dict) that define its run."""
+    return {k: v for k, v in flatten(config).items() if _under(k, DEFINING) and not _under(k, NOT_DEFINING)}
 
 
 # The user's own sections: a key added or removed there is a change. Elsewhere a key only one side has is a key
