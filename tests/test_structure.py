@@ -4,11 +4,9 @@ other without a cycle, counting imports inside functions (a cycle held together 
 from __future__ import annotations
 
 import ast
-import importlib
 import os
 
 import pytest
-import torch
 
 from conftest import REPO
 

@@ -41,10 +41,7 @@ from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
     ProcessFailure,
 )
-from torch.distributed.elastic.rendezvous import (
-    RendezvousParameters,
-    dynamic_rendezvous,
-)
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import api as rendezvous_api
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
@@ -392,8 +389,7 @@ class AnnouncedRendezvous:
 
 
 def extensions_supported() -> bool:
-    """Whether this torch's LocalElasticAgent has the private members `Agent` extends, with the same shapes (and its
-    rendezvous the event namer `caller_name` replaces). An install without torch's Python sources (only bytecode:
+    """Whether this torch's LocalElasticAgent has the private members `Agent` extends, with the same shapes. An install without torch's Python sources (only bytecode:
     inspect.getsource raises OSError) cannot be checked: torch's own agent runs there, as on an untested torch."""
     try:
         return _extensions_there()
@@ -404,9 +400,6 @@ def extensions_supported() -> bool:
 def _extensions_there() -> bool:
     monitor = inspect.signature(LocalElasticAgent._monitor_workers)
     shutdown = inspect.signature(LocalElasticAgent._shutdown)
-    namer = inspect.signature(dynamic_rendezvous.get_method_name)
-    if list(namer.parameters) != ["depth"]:
-        return False
     source = inspect.getsource(LocalElasticAgent)
     shutdown_parameters = list(shutdown.parameters)
     close = list(inspect.signature(PContext.close).parameters)
@@ -426,13 +419,6 @@ class Repeated(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("failed (exitcode")
-
-
-def caller_name(depth: int = 2) -> str:
-    """torch's dynamic_rendezvous.get_method_name without inspect.stack(), which reads the source lines of every
-    frame on the stack, twice, for each rendezvous event it names: ~0.4 s of every launch (and restart) here."""
-    frame = sys._getframe(depth)
-    return frame.f_code.co_name if frame is not None else "no_method_name"
 
 
 class HeldMasterPort:
@@ -476,8 +462,6 @@ def run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_aft
 def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_after_s: float,
                hang_dir: Path | None, agent_store: bool, run_dir: Path | None) -> None:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(Repeated())
-    if extensions_supported():
-        dynamic_rendezvous.get_method_name = caller_name
     # What torch's launch_agent does with LaunchConfig.signals_to_handle (a field since torch 2.12; the variable before)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = getattr(config, "signals_to_handle", None) or SIGNALS_TO_HANDLE
     # The trainer's workers must not reuse the agent's rendezvous store: its keys outlive a restart, and the
