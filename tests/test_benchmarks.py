@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import os
 import statistics
 import sys
@@ -24,6 +25,14 @@ def test_overhead_benchmark_runs_both_loops_and_reports_their_ratio(tmp_path):
         assert mlp[variant]["startup_s"][0] > 0
     assert mlp["ratio"] == mlp["median_samples_per_s"]["ours"] / mlp["median_samples_per_s"]["raw"]
     assert f"{mlp['ratio']:.3f}" in proc.stdout  # the printed table shows the same figure
+
+
+def test_startup_benchmark_times_the_launch_against_torchrun_on_the_same_snapshot():
+    proc = run_cli("benchmarks.startup", "--procs", "1", "--reps", "1", "--max-steps", "2", cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    walls = re.findall(r"^(ours|torchrun) +wall ([0-9.]+) s, CPU ([0-9.]+) s$", proc.stdout, re.M)
+    assert sorted(w[0] for w in walls) == ["ours", "torchrun"] and all(float(w[1]) > 0 for w in walls)
+    assert "ours - torchrun:" in proc.stdout
 
 
 def test_scaling_report_sweeps_the_world_size_and_plots_it(tmp_path):

@@ -155,3 +155,14 @@ def test_a_refused_launch_leaves_an_earlier_run_as_it_was_and_nothing_where_it_m
     refused = launch("trainer.max_steps=2", "checkpoint.keep_last=0", f"hydra.run.dir={fresh}")
     assert refused.returncode == 2 and "checkpoint.keep_last" in refused.stderr
     assert not (tmp_path / "runs" / "new").exists()
+
+
+def test_jobs_status_of_a_path_that_is_no_run_directory_says_so(tmp_path, capsys):
+    """`python -m launcher.jobs status runs/nope` (a typo) said "not started" and "free (no lease)", exit 0."""
+    from launcher.tools.jobs import main
+
+    assert main(["status", str(tmp_path / "nope")]) == 2
+    assert "does not exist: give a run directory" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("x")
+    assert main(["status", str(tmp_path / "a-file")]) == 2
+    assert "is a file" in capsys.readouterr().err

@@ -99,6 +99,17 @@ RUN_MARKS = (RUN_MARK, "lease.json")  # the lease itself: a run held (or left) b
 MADE: dict[str, Path] = {}
 
 
+def check_no_tilde(directory: Path, key: str) -> None:
+    """Exit with a message if `directory` has a part `~...`: no shell expands it inside an override (quoted, Hydra
+    keeps it), and a directory literally named `~` in the project is one `rm -rf ~` away from a disaster."""
+    if any(part.startswith("~") for part in directory.parts):
+        home = Path.home()
+        print(f"error: {key}={directory}: '~' is not expanded here (the shell does not see it inside an override): a "
+              f"directory named '~' would be made. Write the path itself, e.g. {key}="
+              f"{str(directory).replace('~', str(home), 1)}, or {key}='${{oc.env:HOME}}/...'.", file=sys.stderr)
+        sys.exit(2)
+
+
 def check_not_foreign(directory: Path, key: str) -> None:
     """Exit with a message if `directory` holds files but is not a run directory of this launcher: a run writes
     config.yaml, plan.json, metrics.jsonl, status.json and checkpoints/ there, over whatever has those names."""
@@ -163,6 +174,7 @@ class CheckRunDir(Callback):
         HydraConfig.instance().set_config(config)  # lets ${hydra:...} in the directory name resolve
         check_printable(config.hydra.overrides.task)
         run_dir = Path(config.hydra.run.dir)
+        check_no_tilde(run_dir, "hydra.run.dir")
         check_not_foreign(run_dir, "hydra.run.dir")
         note_made(run_dir)
         check_writable(run_dir, "hydra.run.dir")
@@ -170,4 +182,5 @@ class CheckRunDir(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         HydraConfig.instance().set_config(config)
         check_printable(config.hydra.overrides.task)
+        check_no_tilde(Path(config.hydra.sweep.dir), "hydra.sweep.dir")
         check_writable(Path(config.hydra.sweep.dir), "hydra.sweep.dir")

@@ -102,7 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             command.add_argument("--lines", type=int, default=40)
             command.add_argument("--err", action="store_true", help="stderr instead of stdout")
     args = parser.parse_args(argv)
-    run_dir = args.run_dir.resolve()
+    run_dir = args.run_dir.expanduser().resolve()
+    if not run_dir.is_dir():  # a typo read as "not started, free" would send the user looking in the wrong place
+        what = "is a file" if run_dir.exists() else "does not exist"
+        print(f"error: {args.run_dir} {what}: give a run directory (the `run dir` line a launch prints, e.g. "
+              f"runs/digits/default) or a sweep directory (multirun/...)", file=sys.stderr)
+        return 2
     if args.command == "status":
         return status(run_dir)
     if args.command == "logs":

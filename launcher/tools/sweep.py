@@ -115,6 +115,11 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        if not self.points:  # an empty list of values (`range(8,8)`, `choice()`): nothing ran, which is no success
+            print(f"error: the sweep has no points: a swept key's list of values is empty "
+                  f"({' '.join(config.hydra.overrides.task)}); give each swept key at least one value, "
+                  f"e.g. data.batch_size=32,64 or range(8,64,8)", file=sys.stderr)
+            sys.exit(2)
         rows = summarize(sweep_dir, only=self.points)
         print_table(rows, sweep_dir)
         failed = [r["point"] for r in rows if r["status"] == "failed"]

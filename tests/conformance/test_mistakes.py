@@ -179,6 +179,11 @@ MISTAKES = [
     ("ray-address-that-is-not-a-url", ["launcher=ray", "launcher.address=nowhere"], ["launcher.address"]),
     ("replica-groups-of-a-world-of-one", ["trainer.fault_tolerance=replicas", "trainer.procs_per_node=1"],
      ["trainer.replica_groups=2 must be a multiple of trainer.nodes=1", "leave trainer.fault_tolerance out"]),
+    # --- run directories and sweeps (issue 61) ---------------------------------------------------------------------
+    ("run-dir-with-a-quoted-tilde", ["hydra.run.dir='~/runs/x'"],
+     ["hydra.run.dir=~/runs/x: '~' is not expanded here", "a directory named '~' would be made"]),
+    ("empty-sweep", ["-m", "data.batch_size=range(8,8)", "hydra.sweep.dir=multirun/empty"],
+     ["the sweep has no points", "give each swept key at least one value"]),
     # --- trackers ------------------------------------------------------------------------------------------------
     ("mlflow-at-an-address-nobody-serves", ["+logger=mlflow", "loggers.mlflow.tracking_uri=http://127.0.0.9:5999"],
      ["loggers.mlflow.tracking_uri=http://127.0.0.9:5999: no MLflow server answers at 127.0.0.9:5999",
@@ -219,3 +224,4 @@ def test_the_users_own_files_are_as_they_were_after_every_row(catalogue):
     for name, text in FILES.items():
         assert (project / name).read_text() == text, f"{name} was changed"
     assert sorted(p.name for p in (project / "my_results").iterdir()) == ["config.yaml", "metrics.jsonl"]
+    assert not (project / "~").exists()  # no directory named '~' in the project (run-dir-with-a-quoted-tilde)
