@@ -6,6 +6,7 @@ gc.disable()  # during the imports (torch's millions of objects), as in train/__
 
 import os  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from hydra.errors import HydraException  # noqa: E402
 
@@ -63,8 +64,22 @@ def hydra_flags_first(argv: list[str]) -> list[str]:
     return [*flags, *overrides]
 
 
+def own_primary_configs(argv: list[str]) -> list[str]:
+    """The --config-dir folders that hold a config.yaml: Hydra finds the launcher's own config.yaml first (it is the
+    primary config) and never reads theirs, silently."""
+    folders = [value for flag, value in zip(argv, argv[1:]) if flag in ("--config-dir", "-cd")]
+    folders += [word.split("=", 1)[1] for word in argv if word.startswith(("--config-dir=", "-cd="))]
+    return [folder for folder in folders if (Path(folder).expanduser() / "config.yaml").is_file()]
+
+
 def compose_and_launch() -> None:
     sys.argv[1:] = hydra_flags_first(sys.argv[1:])
+    for folder in own_primary_configs(sys.argv[1:]):
+        print(f"error: --config-dir {folder}: its config.yaml would not be read (the launcher's own config.yaml is the "
+              f"primary config, found first; yours is silently ignored). Put what it sets in an experiment: "
+              f"{folder}/experiment/NAME.yaml, starting with `# @package _global_`, and add +experiment=NAME; its "
+              f"model/, data/ and other folders are found as they are.", file=sys.stderr)
+        sys.exit(2)
     register_configs()
     register_resolvers()
     # Hydra's errors reach us (not only its printed summary) so that an override of a missing key is explained.

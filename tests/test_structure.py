@@ -258,3 +258,24 @@ def test_one_worker_runs_the_waiting_files_then_the_shortest_two_the_longest_non
     assert sorted(nodeid for node in run_lanes(2, collection) for nodeid in node.ran) == sorted(collection)
     computing = [nodeid for nodeid in collection if "_ray" not in nodeid and "_slurm" not in nodeid]
     assert run_lanes(3, computing)[2].ran[0] == "tests/test_h.py::t0"
+
+
+def test_the_launcher_rank_contract_is_one_module_that_both_sides_read():
+    """Every name a rank reads from its environment (TRAIN_*, LAUNCHER_*) is defined once, in train/contract.py;
+    ddp_loop.py, which imports nothing of ours (a user's train.py may come first on its path), holds the same."""
+    import re
+
+    import ddp_loop
+    from train import contract
+
+    names = {value for key, value in vars(contract).items() if key.endswith("_ENV")}
+    for path in (REPO / "train").rglob("*.py"):
+        if path.name == "contract.py":
+            continue
+        literals = set(re.findall(r'"((?:TRAIN|LAUNCHER)_[A-Z_]+)"', path.read_text()))
+        assert literals <= names, f"{path.relative_to(REPO)} names {sorted(literals - names)} outside train/contract.py"
+    assert ddp_loop.HANG_ENV == contract.HANG_ENV and ddp_loop.ON_HANG_ENV == contract.ON_HANG_ENV
+    assert ddp_loop.TRACKERS_ENV == contract.TRACKERS_ENV and ddp_loop.ALIVE == contract.ALIVE_FILE
+    assert f'"{contract.RUN_DIR_ENV}"' in (REPO / "ddp_loop.py").read_text()
+    assert f'"{contract.DEVICE_ENV}"' in (REPO / "ddp_loop.py").read_text()
+    assert f'"{contract.ROUND_ENV}"' in (REPO / "ddp_loop.py").read_text()

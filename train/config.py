@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
+from train.contract import CONFIG_FILE  # noqa: F401  (the launcher-rank contract)
 
 
 @dataclass
@@ -170,7 +171,6 @@ class TrainConfig:
     import_path: list[str] = field(default_factory=list)
 
 
-CONFIG_FILE = "config.yaml"
 # Keys that snapshots of earlier versions hold and this one no longer reads (with what replaced them): an older run
 # directory's config.yaml still loads (`python -m train RUN_DIR/config.yaml`, under plain torchrun).
 RETIRED = {("trainer", "stop_check_every"): "trainer.stop_check_s"}

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from train.contract import ROUND_ENV  # noqa: F401  (the launcher-rank contract)
 
 
 @dataclass(frozen=True)
@@ -104,9 +105,6 @@ def default_threads(env: DistEnv) -> int:
 
 
 ATTEMPT_KEY = "train/attempt"
-# The rendezvous round the workers were started in, set by the launcher's agent: the same on every node. A node's
-# restart count is its own: a node that comes back after being lost counts from 0 while the others count on.
-ROUND_ENV = "TRAIN_RENDEZVOUS_ROUND"
 
 
 def attempt_id() -> str | None:

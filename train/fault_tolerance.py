@@ -25,9 +25,8 @@ import time
 from datetime import timedelta
 
 import torch
+from train.contract import REPLICA_GROUP_ENV, START_STORE_ENV  # noqa: F401  (the launcher-rank contract)
 
-REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"  # torchft's name for it; the launcher sets it for each group's agent
-START_STORE_ENV = "REPLICA_GROUPS_STORE"  # HOST:PORT of the launcher's store where the groups meet before step 1
 
 log = logging.getLogger("train")
 

@@ -10,6 +10,7 @@ import gc
 import os
 import signal
 import sys
+from train.contract import PARENT_ENV, USER_PATH_ENV  # noqa: F401  (the launcher-rank contract)
 
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -52,13 +53,6 @@ def keep_freed_memory() -> bool:
 # a closed terminal.
 RANK_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
-# Set by the local launcher to its pid: the workers die with it. Its run directory's lease ends with it, and a
-# new launch may take the directory over; workers left running would be a second writer.
-PARENT_ENV = "TRAIN_DIE_WITH_PARENT"
-# Folders of the user's own modules that a rank appends to its path, after this package's (train.build.add_import_path):
-# where a cluster engine put the user's project on PYTHONPATH ahead of the installed packages (Ray's working_dir), so
-# that a project's own train.py or launcher.py would have replaced ours.
-USER_PATH_ENV = "TRAIN_USER_PATH"
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 

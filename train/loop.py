@@ -32,8 +32,7 @@ from train.observe.throughput import peak_tflops
 from train.parts import Run
 from train.step import ForwardClock, Meter, SavedActivations, train_step
 from train.stopping import StopRequest
-
-PLAN_FILE = "plan.json"
+from train.contract import PLAN_FILE  # noqa: F401  (the launcher-rank contract)
 
 
 @dataclass

@@ -11,9 +11,7 @@ import json
 import os
 import time
 from pathlib import Path
-
-LEASE_FILE = "lease.json"
-LEASE_KEY_ENV = "TRAIN_LEASE_KEY"
+from train.contract import LEASE_FILE, LEASE_KEY_ENV  # noqa: F401  (the launcher-rank contract)
 
 
 class RunDirHeld(RuntimeError):

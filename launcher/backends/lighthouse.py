@@ -23,8 +23,8 @@ from datetime import timedelta
 from launcher.backends.network import hold_free_port, hosts_rendezvous
 from launcher.schema import Config
 from train.host import die_with
+from train.contract import LIGHTHOUSE_ENV  # noqa: F401  (the launcher-rank contract)
 
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # where a group's Manager finds it
 LISTEN_TIMEOUT_S = 30
 
 

@@ -54,6 +54,7 @@ from launcher.backends.script import script_command, script_env
 from launcher.run_dir.lease import LOCK_FILE, Lease, Renewer, flock
 from launcher.schema import Config
 from train.checkpoint import checkpoint_dir, committed
+from train.contract import HANG_DIR
 from train.dist import available_cores
 from train.fault_tolerance import REPLICA_GROUP_ENV, START_STORE_ENV
 from train.finite import NONFINITE_EXIT_CODE
@@ -132,7 +133,7 @@ def environment(values: dict[str, str]):
 def launch_local(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig | None = None) -> None:
     """Run the workers to completion; raises ChildFailedError (with the failing rank's traceback) on failure."""
     frozen = {"frozen_after_s": cfg.trainer.hang_timeout_s + FROZEN_MARGIN_S if cfg.trainer.hang_timeout_s else 0.0,
-              "hang_dir": run_dir / "hang", "run_dir": run_dir}
+              "hang_dir": run_dir / HANG_DIR, "run_dir": run_dir}
     with environment(rank_environment(cfg, run_dir)):
         if cfg.program.name == "script":  # the user's own loop, from the launch directory, as torchrun runs it
             # As torchrun: the ranks' MASTER_ADDR:MASTER_PORT is the agent's store (TORCHELASTIC_USE_AGENT_STORE),

@@ -24,14 +24,10 @@ from pathlib import Path
 
 from launcher.schema import Config
 from train.parallel.layout import world_size
+from train.contract import DEVICE_ENV, HANG_ENV, ON_HANG_ENV, RUN_DIR_ENV, TRACKERS_ENV  # noqa: F401  (the launcher-rank contract)
 
 PROGRAMS = ("trainer", "script")  # program.name: conf/program/
-RUN_DIR_ENV = "LAUNCHER_RUN_DIR"
-DEVICE_ENV = "LAUNCHER_DEVICE"
-HANG_ENV = "LAUNCHER_HANG_TIMEOUT_S"  # ddp_loop's hang watch (the same name there: it imports nothing of ours)
-ON_HANG_ENV = "LAUNCHER_ON_HANG"  # program.on_hang, for the same watch
 ON_HANG = ("auto", "report", "end")
-TRACKERS_ENV = "LAUNCHER_TRACKERS"  # ddp_loop's report() feeds the trackers (train/observe/follow.py) where "1"
 
 
 def user_command(cfg: Config) -> list[str]:

@@ -48,6 +48,7 @@ FILES = {
     "my_results/config.yaml": "my: own results\n",
     "my_results/metrics.jsonl": '{"mine": 1}\n',
     "a-file": "not a directory\n",
+    "conf_own/config.yaml": "name: my_own_primary\n",
 }
 VECTOR_RUN = ["--config-dir", "conf", "+experiment=vectors"]
 
@@ -182,6 +183,8 @@ MISTAKES = [
     # --- run directories and sweeps (issue 61) ---------------------------------------------------------------------
     ("run-dir-with-a-quoted-tilde", ["hydra.run.dir='~/runs/x'"],
      ["hydra.run.dir=~/runs/x: '~' is not expanded here", "a directory named '~' would be made"]),
+    ("config-dir-with-its-own-primary-config", ["--config-dir", "conf_own"],
+     ["--config-dir conf_own: its config.yaml would not be read", "conf_own/experiment/NAME.yaml"]),
     ("empty-sweep", ["-m", "data.batch_size=range(8,8)", "hydra.sweep.dir=multirun/empty"],
      ["the sweep has no points", "give each swept key at least one value"]),
     # --- trackers ------------------------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ import traceback
 from pathlib import Path
 
 from train.files import replace_text
+from train.contract import HANG_DIR  # noqa: F401  (the launcher-rank contract)
 
-HANG_DIR = "hang"
 REQUEST = "request"
 SUMMARY = "summary.txt"
 STORE_WAIT_S = 5.0  # a store that has not answered by then is taken for frozen

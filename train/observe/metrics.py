@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 from train.files import replace_text
 from train.observe.trackers import TrackedRun
+from train.contract import METRICS_FILE  # noqa: F401  (the launcher-rank contract)
 
 if TYPE_CHECKING:  # torch: `python -m launcher.jobs` reads metrics.jsonl through this module without importing it
     from train.dist import DistEnv
 
-METRICS_FILE = "metrics.jsonl"
 NOT_CURVES = ("epoch", "restarts", "async", "load_s", "profiled")  # in metrics.jsonl; notes or hparams elsewhere
 
 

@@ -17,13 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from train.files import replace_text
-
-STATUS_FILE = "status.json"
-# RUN_DIR/.alive: its modification time is the last sign of life of any group's (or a script's) ranks, for a node
-# that waits for the others to finish (launcher/backends/local.py others_finish); ddp_loop.py names it the same
-ALIVE_FILE = ".alive"
-# RUN_DIR/.status.lock: held around a read of status.json and the write that depends on it
-STATUS_LOCK = ".status.lock"
+from train.contract import ALIVE_FILE, STATUS_FILE, STATUS_LOCK  # noqa: F401  (the launcher-rank contract)
 
 
 def write_status(run_dir: Path, status: str, **details) -> None:
