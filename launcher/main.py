@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from launcher.backends.base import BACKENDS, Backend, get_backend
-from launcher.backends.script import script_command, script_summary
+from launcher.backends.script import args_as_typed, script_command, script_summary
 from launcher.checks.forecast import dry_run_forecast
 from launcher.checks.validate import ConfigError, typed_config, validate
 from launcher.run_dir.directory import remove_if_made
@@ -112,6 +112,9 @@ def launch(cfg: DictConfig, run_dir: Path) -> int:
 
 def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
     write_hydra_record(run_dir)
+    typed_args = args_as_typed(list(HydraConfig.get().overrides.task)) if HydraConfig.initialized() else None
+    if typed_args is not None:  # a script's arguments as the user typed them, not as Hydra typed them
+        cfg.program.args = typed_args
     try:
         OmegaConf.resolve(cfg)
     except InterpolationResolutionError as error:  # ${a.key} that names nothing: a message, not a traceback

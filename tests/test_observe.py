@@ -85,3 +85,16 @@ def test_a_tracker_behind_the_resumed_step_gets_the_records_up_to_it_from_metric
     metrics.log("train", 6, {"loss": 0.1})
     metrics.close()
     assert tracker.sent == [(2, {"train/loss": 0.5}), (4, {"train/loss": 0.25}), (6, {"train/loss": 0.1})]
+
+
+def test_a_scripts_first_report_at_step_0_is_drawn(tmp_path, monkeypatch):
+    """ddp_loop.report(0, ...) of a fresh run was never drawn into the trackers: the follower counted step 0 as drawn."""
+    from train.observe import follow
+
+    tracker = Recorder()
+    monkeypatch.setattr(follow, "build_trackers", lambda loggers, run: [tracker])
+    (tmp_path / "config.yaml").write_text("name: mine\nprogram: {name: script}\ntrainer: {procs_per_node: 1}\n")
+    lines = [{"kind": "train", "step": s, "time": 0, "loss": 1.0 + s} for s in (0, 1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    follow.follow(tmp_path, 0, ended=lambda wait_s: True)
+    assert [step for step, _ in tracker.sent] == [0, 1, 2]

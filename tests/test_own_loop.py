@@ -289,6 +289,18 @@ def test_a_script_runs_again_when_the_same_command_is_run_again(tmp_path):
     assert (tmp_path / "runs.txt").read_text() == "ran\n" * 2 and "already finished" not in proc.stdout
 
 
+def test_a_scripts_arguments_reach_it_as_typed(tmp_path):
+    """Hydra typed each element of program.args: `--x true --y 1e-3 --s 1_000` reached the script as `--x True --y
+    0.001 --s 1000`, and `null` was refused; torchrun passes them as typed."""
+    (tmp_path / "argv.py").write_text("import json, sys\nopen('argv.json', 'w').write(json.dumps(sys.argv[1:]))\n")
+    proc = run_cli("launcher", "program=script", "program.script=argv.py", "trainer.procs_per_node=1",
+                   "program.args=[--x,true,--y,1e-3,--s,1_000,--n,null,--q,'a,b',--e,\"--k=1\"]",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "argv.json").read_text()) == [
+        "--x", "true", "--y", "1e-3", "--s", "1_000", "--n", "null", "--q", "a,b", "--e", "--k=1"]
+
+
 def test_a_sweep_over_the_scripts_arguments_summarises_what_it_reported_and_only_its_own_points(tmp_path):
     """-m over program.args: one point per argument list, the summary's `reported` column holds each point's last
     ddp_loop.report; an earlier sweep into the same folder (two points, both failed) is neither shown nor counted."""

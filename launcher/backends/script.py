@@ -30,6 +30,47 @@ PROGRAMS = ("trainer", "script")  # program.name: conf/program/
 ON_HANG = ("auto", "report", "end")
 
 
+ARGS_KEY = "program.args"
+
+
+def args_as_typed(overrides: list[str]) -> list[str] | None:
+    """program.args as the command line wrote them (`[--x,true,--y,1e-3,--s,1_000,--n,null]`: each word as typed), or
+    None where no override sets them. Hydra types each element (True, 0.001, 1000, None), and a script's argparse
+    then read `--x True` or was refused `null`; torchrun passes a script's arguments as typed. Quoted elements lose
+    their quotes; an interpolation (`${T}`, a sweep's) stays one, resolved with the rest of the config."""
+    for override in reversed(overrides):  # the last one wins, as in Hydra
+        key, _, value = override.lstrip("+~").partition("=")
+        if key != ARGS_KEY:
+            continue
+        value = value.strip()
+        if not (value.startswith("[") and value.endswith("]")):
+            return None  # not a list literal (a sweep's choice, an interpolation): Hydra's value stands
+        return _split_list(value[1:-1])
+    return None
+
+
+def _split_list(text: str) -> list[str]:
+    """The elements of a flat list literal's inside, split at commas outside quotes and ${...}."""
+    words, word, quote, depth = [], "", None, 0
+    for char in text:
+        if quote:
+            if char == quote:
+                quote = None
+            else:
+                word += char
+        elif char in "'\"":
+            quote = char
+        elif char == "," and depth == 0:
+            words.append(word.strip())
+            word = ""
+        else:
+            depth += {"{": 1, "}": -1}.get(char, 0)
+            word += char
+    if word.strip() or words:
+        words.append(word.strip())
+    return words
+
+
 def user_command(cfg: Config) -> list[str]:
     """The command as the user would type it after `python`: the script by its absolute path, or -m and the module,
     then its arguments."""

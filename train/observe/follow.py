@@ -53,8 +53,9 @@ def tracked(run_dir: Path, start_step: int) -> tuple[TrackedRun, dict]:
 def follow(run_dir: Path, offset: int, ended) -> None:
     """Draw the records written after `offset` until `ended(wait_s)` says rank 0 has ended, then what is left."""
     path = run_dir / METRICS_FILE
-    start = max((r.get("step", 0) for r in records(path, 0, offset)[1]), default=0)  # what earlier attempts reported
-    run, loggers = tracked(run_dir, start)
+    # What earlier attempts reported (-1: none, and a first attempt's step 0 is drawn too)
+    start = max((r.get("step", 0) for r in records(path, 0, offset)[1]), default=-1)
+    run, loggers = tracked(run_dir, max(start, 0))
     trackers = build_trackers(loggers, run)
     if not trackers:
         return

@@ -54,7 +54,7 @@ class Metrics:
             values = {k: v for k, v in record.items() if k not in ("kind", "step", "time")}
             drawn = curves(record["kind"], values)
             for tracker in behind:
-                if drawn and tracker.holds_through < record["step"]:
+                if drawn and tracker.holds_through < record["step"] <= start_step:  # later ones: drawn as they come
                     tracker.scalars(drawn, record["step"])
 
     def log(self, kind: str, step: int, values: dict[str, float]) -> None:
