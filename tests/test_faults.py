@@ -581,3 +581,19 @@ def test_a_frozen_rank_is_reported_and_the_group_restarts(tmp_path, frozen):
     assert "1 of 2 ranks answered" in text and f"no report from rank {frozen}" in text
     assert read_status(run_dir)["status"] == "stopped"  # the restarted group stopped as asked, with a checkpoint
     assert final_checkpoint(run_dir)["step"] == read_status(run_dir)["step"]
+
+
+def test_numa_binding_reaches_torchs_agent_as_its_public_option():
+    """launcher.numa_binding is torchrun's --numa-binding: LaunchConfig.numa_options, which torch's agent applies to
+    each GPU rank's start (a CPU rank is not bound)."""
+    from torch.numa.binding import AffinityMode
+
+    from pathlib import Path
+
+    from conftest import typed
+    from launcher.backends.local import launch_config
+
+    cfg = typed("launcher.numa_binding=node")
+    options = launch_config(cfg, Path("/tmp/run")).numa_options
+    assert options.affinity_mode == AffinityMode.NODE and options.should_fall_back_if_binding_fails
+    assert launch_config(typed(), Path("/tmp/run")).numa_options is None

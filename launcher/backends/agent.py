@@ -480,6 +480,7 @@ def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_af
     handler = rdzv_registry.get_rendezvous_handler(parameters)
     if config.max_nodes > 1:
         handler = AnnouncedRendezvous(handler, config.rdzv_endpoint, config.max_nodes, config.rdzv_configs["timeout"])
+    numa = getattr(config, "numa_options", None)  # LaunchConfig and WorkerSpec fields of newer torch
     spec = WorkerSpec(
         role="trainer",
         local_world_size=config.nproc_per_node,
@@ -488,6 +489,7 @@ def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_af
         rdzv_handler=handler,
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
+        **({"numa_options": numa} if numa is not None else {}),
     )
     agent_class = Agent
     if not extensions_supported():

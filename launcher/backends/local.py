@@ -91,7 +91,23 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
     # (launcher.backends.agent reads them where they are).
     config.shutdown_timeout = cfg.launcher.shutdown_timeout_s
     config.signals_to_handle = SIGNALS_TO_HANDLE
+    config.numa_options = numa_options(cfg.launcher.numa_binding)
     return config
+
+
+NUMA_BINDINGS = ("none", "node", "socket", "exclusive", "core-complex")
+
+
+def numa_options(binding: str):
+    """torch's NumaOptions for launcher.numa_binding (as torchrun's --numa-binding), or None: none asked, or a torch
+    without them. A binding that fails on a machine (no numactl, one NUMA node) falls back to none, said by torch."""
+    if binding == "none":
+        return None
+    try:
+        from torch.numa.binding import AffinityMode, NumaOptions
+    except ImportError:
+        return None
+    return NumaOptions(affinity_mode=AffinityMode(binding), should_fall_back_if_binding_fails=True)
 
 
 def threads_per_process(cfg: Config) -> int:
@@ -351,6 +367,10 @@ class Local(Backend):
                 f"node (run the same command on every node), e.g. launcher.rdzv_endpoint=node0:29400."
             )
         _check_endpoint(cfg, problems)
+        if cfg.launcher.numa_binding not in NUMA_BINDINGS:
+            problems.append(f"launcher.numa_binding={cfg.launcher.numa_binding!r} is not one of "
+                            f"{', '.join(NUMA_BINDINGS)} (torchrun's --numa-binding): node binds each GPU rank to its "
+                            f"GPU's NUMA node; none leaves the OS to place them.")
         if cfg.trainer.nodes > 1:  # the doctor's network findings, in short: warnings (the nodes may all be here)
 
             for finding in check_network(cfg):
