@@ -98,3 +98,85 @@ def test_a_scripts_first_report_at_step_0_is_drawn(tmp_path, monkeypatch):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     follow.follow(tmp_path, 0, ended=lambda wait_s: True)
     assert [step for step, _ in tracker.sent] == [0, 1, 2]
+
+
+class FakeStore:
+    """The calls of a c10d store that train/observe/peers.py makes, in memory; `answers=False`: it hangs up."""
+
+    def __init__(self):
+        self.keys, self.answers = {}, True
+
+    def _up(self):
+        if not self.answers:
+            raise RuntimeError("Connection reset by peer")
+
+    def add(self, key, value):
+        self._up()
+        self.keys[key] = int(self.keys.get(key, b"0")) + value
+        self.keys[key] = str(self.keys[key]).encode()
+        return int(self.keys[key])
+
+    def check(self, keys):
+        self._up()
+        return all(k in self.keys for k in keys)
+
+    def get(self, key):
+        self._up()
+        return self.keys[key]
+
+    def set(self, key, value):
+        self._up()
+        self.keys[key] = value.encode() if isinstance(value, str) else value
+
+
+def test_a_rank_gone_without_closing_its_sockets_ends_the_others_wait(monkeypatch):
+    """A node that vanished (power, network) during a checkpoint wait left the survivors waiting up to 24 h: nothing
+    broke their connection. Rank 0 names a rank whose sign of life stood still for the limit; a waiting rank ends."""
+    from train.observe import peers as module
+
+    clock = [1000.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    store = FakeStore()
+    ranks = [module.Peers(r, 3, limit_s=30, connect=lambda: store) for r in range(3)]
+    for _ in range(3):  # every rank ticks: alive
+        clock[0] += 5
+        assert all(p.tick(waiting=True) is None for p in ranks)
+    # Rank 0 saw rank 2's count move last at its round's next look (t=1020); rank 2 is gone from t=1015.
+    for _ in range(7):  # up to 30 s of no sign of life: not past the limit
+        clock[0] += 5
+        assert [p.tick(waiting=True) for p in ranks[:2]] == [None, None]
+    clock[0] += 5
+    ended = [p.tick(waiting=True) for p in ranks[:2]]
+    assert all("rank(s) [2] showed no sign of life for 35 s" in reason for reason in ended), ended
+    assert ranks[1].tick(waiting=False) is None  # a rank not waiting on the others is not ended by this
+
+
+def test_a_rank_that_cannot_reach_rank_0s_store_for_the_limit_ends_its_wait(monkeypatch):
+    from train.observe import peers as module
+
+    clock = [1000.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    store = FakeStore()
+    waiting = module.Peers(1, 2, limit_s=30, connect=lambda: store)
+    assert waiting.tick(waiting=True) is None
+    store.answers = False  # rank 0's node gone: its store with it
+    clock[0] += 20
+    assert waiting.tick(waiting=True) is None  # one unanswered call is no verdict
+    store.answers = True
+    clock[0] += 20
+    assert waiting.tick(waiting=True) is None  # it answered again: the watch goes on with a fresh client
+    store.answers = False
+    clock[0] += 31
+    assert "has not answered for 31 s" in waiting.tick(waiting=True)
+
+
+def test_a_rank_that_never_ticked_is_not_judged(monkeypatch):
+    from train.observe import peers as module
+
+    clock = [1000.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    store = FakeStore()
+    first = module.Peers(0, 2, limit_s=30, connect=lambda: store)
+    for _ in range(20):  # rank 1 still starting for 100 s: the start-up's own watch covers it
+        clock[0] += 5
+        assert first.tick(waiting=True) is None

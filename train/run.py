@@ -29,6 +29,7 @@ from train.finite import FiniteWatch
 from train.host import freeze_imported_objects, keep_freed_memory, open_files_to_hard_limit
 from train.loop import Outcome, fit
 from train.observe.hang import HangReports, flight_recorder_env
+from train.observe.peers import Peers
 from train.observe.throughput import flops_per_token
 from train.observe.watchdog import Watchdog
 from train.optim import build_optimization
@@ -66,7 +67,8 @@ def main(config_path: str | Path) -> Outcome:
     distributed.init_process_group(env, backend, device, cfg.trainer.timeout_s)
     hang_requests = distributed.side_store(f"train/hang/{distributed.attempt_id()}/")  # this attempt's own keys
     reports = HangReports(config_path.parent, env.rank, env.world_size, store=hang_requests)
-    watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s, cfg.checkpoint.io_timeout_s, reports)  # loading too
+    watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s, cfg.checkpoint.io_timeout_s, reports,  # loading too
+                        peers=build_peers(env, cfg.trainer.hang_timeout_s))
     run = None
     try:
         control = distributed.control_group(backend)
@@ -87,6 +89,17 @@ def main(config_path: str | Path) -> Outcome:
         gc.collect()
         watchdog.close()
         distributed.cleanup()
+
+
+def build_peers(env: DistEnv, hang_timeout_s: float) -> Peers | None:
+    """The watch on the other ranks while this one waits on them (train/observe/peers.py): with a hang limit and a
+    world of more than one. Its limit leaves the ranks' own watchdogs (and the agent's look at stopped ranks) the
+    first word, and a margin for ticks and a store call."""
+    if env.world_size == 1 or hang_timeout_s <= 0:
+        return None
+    every = min(5.0, hang_timeout_s / 4)
+    prefix = f"train/peers/{distributed.attempt_id()}/"  # this attempt's own keys
+    return Peers(env.rank, env.world_size, hang_timeout_s + 2 * every + 10.0, lambda: distributed.side_store(prefix))
 
 
 def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, control, watchdog: Watchdog,

@@ -76,7 +76,7 @@ class _Stream:
 
 
 class Watchdog:
-    def __init__(self, rank: int, timeout_s: float, io_timeout_s: float = 0, reports=None):
+    def __init__(self, rank: int, timeout_s: float, io_timeout_s: float = 0, reports=None, peers=None):
         self.rank = rank
         self.reports = reports or NullHangReports()
         self.timeout_s = timeout_s
@@ -96,6 +96,8 @@ class Watchdog:
         self.every = min(5.0, min(limits) / 4) if limits else 0.0  # also how soon this rank answers a hang report
         if limits:
             threading.Thread(target=self._watch, args=(self.every,), name="hang-watchdog", daemon=True).start()
+        if limits and peers is not None:  # its store calls may each wait seconds: a thread of their own
+            threading.Thread(target=self._watch_peers, args=(peers, self.every), name="peers-watch", daemon=True).start()
 
     def beat(self, step: int, activity: str = "training") -> None:
         self.step, self.activity, self.last = step, activity, time.monotonic()
@@ -183,6 +185,18 @@ class Watchdog:
                 self.report_hang(report, wait_s=2 * every + 2)
                 os._exit(HANG_EXIT_CODE)
             self.reports.answer_request(self.state())
+
+    def _watch_peers(self, peers, every: float) -> None:
+        """While this rank waits on the others (paused), a rank gone without closing its sockets ends the wait
+        (train/observe/peers.py): a hang, reported as one."""
+        while not self.stopped.wait(every):
+            lost = peers.tick(waiting=self.pauses > 0)
+            if lost and self.pauses > 0:
+                report = f"[rank {self.rank}] {self.activity} after step {self.step}, waiting on the others: {lost}."
+                print(f"{report} Stacks of this rank's threads:", file=sys.stderr, flush=True)
+                write_lines(thread_stacks(), prefix=f"[rank {self.rank}] ")
+                self.report_hang(report, wait_s=2 * every + 2)
+                os._exit(HANG_EXIT_CODE)
 
     def report_collective_timeout(self, error: BaseException) -> None:
         """A collective of this rank timed out (trainer.timeout_s): the same reports as for a hang, before the
