@@ -180,3 +180,21 @@ def test_a_rank_that_never_ticked_is_not_judged(monkeypatch):
     for _ in range(20):  # rank 1 still starting for 100 s: the start-up's own watch covers it
         clock[0] += 5
         assert first.tick(waiting=True) is None
+
+
+def test_a_rank_whose_store_call_failed_once_reads_the_store_again_later(tmp_path, monkeypatch):
+    """One unanswered call made a rank read RUN_DIR/hang/request alone for good: it missed the request the others
+    posted in the store and was reported silent."""
+    from train.observe import hang
+
+    clock = [1000.0]
+    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
+    store = FakeStore()
+    reports = hang.HangReports(tmp_path, 1, 2, store=store, connect=lambda: store)
+    store.answers = False
+    assert reports._fresh_request() is None and reports.store is None  # fell back to the file
+    store.answers = True
+    store.set(hang.REQUEST, "20261128-000000-rank0")
+    assert reports._fresh_request() is None  # not asked again at once (a frozen server costs a wait per call)
+    clock[0] += hang.STORE_RETRY_S
+    assert reports._fresh_request() == "20261128-000000-rank0"

@@ -65,8 +65,9 @@ def main(config_path: str | Path) -> Outcome:
     if backend == "nccl":  # before the process group exists: NCCL reads them once
         os.environ.update(flight_recorder_env(config_path.parent))
     distributed.init_process_group(env, backend, device, cfg.trainer.timeout_s)
-    hang_requests = distributed.side_store(f"train/hang/{distributed.attempt_id()}/")  # this attempt's own keys
-    reports = HangReports(config_path.parent, env.rank, env.world_size, store=hang_requests)
+    hang_prefix = f"train/hang/{distributed.attempt_id()}/"  # this attempt's own keys
+    reports = HangReports(config_path.parent, env.rank, env.world_size, store=distributed.side_store(hang_prefix),
+                          connect=lambda: distributed.side_store(hang_prefix))
     watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s, cfg.checkpoint.io_timeout_s, reports,  # loading too
                         peers=build_peers(env, cfg.trainer.hang_timeout_s))
     run = None

@@ -35,6 +35,7 @@ from train.contract import HANG_DIR  # noqa: F401  (the launcher-rank contract)
 REQUEST = "request"
 SUMMARY = "summary.txt"
 STORE_WAIT_S = 5.0  # a store that has not answered by then is taken for frozen
+STORE_RETRY_S = 30.0  # then asked again this much later, with a fresh client
 STDLIB = tuple(os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib"))
 
 
@@ -85,12 +86,14 @@ def innermost_own_frame(stack: traceback.StackSummary) -> str:
 
 class HangReports:
     """`store`: a store client shared by the ranks of this attempt, with a short timeout (train.dist.side_store),
-    where the request is posted; None (or a store that stops answering): the file RUN_DIR/hang/request."""
+    where the request is posted; None (or a store that stops answering): the file RUN_DIR/hang/request. `connect`:
+    a fresh client, asked for again STORE_RETRY_S after a store stopped answering (one failed call made a rank read
+    the file alone for good, and miss the requests the others posted in the store: reported "silent")."""
 
-    def __init__(self, run_dir: Path, rank: int, world_size: int, store=None):
+    def __init__(self, run_dir: Path, rank: int, world_size: int, store=None, connect=None):
         self.root = Path(run_dir) / HANG_DIR
         self.rank, self.world_size = rank, world_size
-        self.store = store
+        self.store, self.connect, self.retry_at = store, connect, 0.0
         self.started = time.time()
         self.answered: str | None = None  # the incident this rank has written its report for
 
@@ -98,6 +101,9 @@ class HangReports:
         """`operation(store)`, or None once the store fails or does not answer within STORE_WAIT_S (from then on
         the file serves). In a thread of its own: a client of a frozen server (rank 0 stopped, its store's thread
         with it) waits forever in `check` whatever its timeout, and the one reporting the hang must not join it."""
+        if self.store is None and self.connect is not None and time.monotonic() >= self.retry_at:
+            self.store = self.connect()
+            self.retry_at = time.monotonic() + STORE_RETRY_S
         store = self.store
         if store is None:
             return None
@@ -113,12 +119,12 @@ class HangReports:
         asking.start()
         asking.join(STORE_WAIT_S)
         if "value" not in outcome:  # failed, or still waiting (left behind: a daemon, it never holds the exit)
-            self.store = None
+            self.store, self.retry_at = None, time.monotonic() + STORE_RETRY_S
             return None
         return outcome["value"]
 
     def _fresh_request(self) -> str | None:
-        if self.store is not None:
+        if self.store is not None or self.connect is not None:
             posted = self._in_store(lambda s: s.get(REQUEST) if s.check([REQUEST]) else b"")
             if posted is not None:
                 return posted.decode().strip() or None
