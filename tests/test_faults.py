@@ -597,3 +597,20 @@ def test_numa_binding_reaches_torchs_agent_as_its_public_option():
     options = launch_config(cfg, Path("/tmp/run")).numa_options
     assert options.affinity_mode == AffinityMode.NODE and options.should_fall_back_if_binding_fails
     assert launch_config(typed(), Path("/tmp/run")).numa_options is None
+
+
+def test_a_nodes_finished_script_does_not_write_over_another_nodes_failure(tmp_path):
+    """Script mode, several nodes: every node's launcher writes status.json at its end; the last to end wrote
+    "finished" over the failure another node had recorded."""
+    import time
+
+    from launcher.backends.local import note_finished, record_failure
+    from train.observe.status import read_status, write_status
+
+    started = time.time()
+    record_failure(tmp_path, "rank 3 failed, exit code 1: ValueError: broke", (False, started))
+    note_finished(tmp_path, started)
+    assert read_status(tmp_path)["status"] == "failed"
+    write_status(tmp_path, "failed", error="an earlier launch's")  # before this launch: this one's word stands
+    note_finished(tmp_path, time.time() + 1)
+    assert read_status(tmp_path)["status"] == "finished"

@@ -254,8 +254,19 @@ def run_workers(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfig
             note_stop(run_dir, started, script)
         sys.exit(128 + error.sigval.value)  # a signal stops a whole sweep too
     if script:
-        write_status(run_dir, "finished")
+        note_finished(run_dir, started)
     return 0
+
+
+def note_finished(run_dir: Path, started: float) -> None:
+    """A script's status.json "finished", for this node's ranks that all ended well; under the lock every node's
+    report takes, and never over a failure or a stop another node recorded since `started` (its ranks failed, or a
+    signal stopped it): the last node to end wrote its own word over theirs."""
+    with status_held(run_dir):
+        said = read_status(run_dir)
+        if said.get("status") in ("failed", "stopped") and said.get("time", 0) >= started:
+            return
+        write_status(run_dir, "finished")
 
 
 def note_stop(run_dir: Path, started: float, script: bool) -> None:
