@@ -322,6 +322,9 @@ class _Watch:
                              f"(trainer.hang_timeout_s); the stacks of every rank are in {incident}; {what}\n")
         sys.__stderr__.flush()
         if end and not self._anyone_saving():
+            _record_error("HangDetected", f"no rank printed, reported or saved for {self.timeout_s:g} s "
+                          f"(trainer.hang_timeout_s)" + (f"; rank(s) {silent} wrote no stacks (stuck holding the GIL, "
+                                                         f"frozen or gone)" if silent else "") + f"; stacks in {incident}")
             os._exit(HANG_EXIT_CODE)
 
     def _anyone_saving(self) -> bool:
@@ -330,6 +333,20 @@ class _Watch:
             return self._counts([self.beats, int(self.used_api)])[1] > 0
         except Exception:  # noqa: BLE001
             return self.local_saving > 0
+
+
+def _record_error(kind: str, message: str) -> None:
+    """This rank's error as torch elastic's @record writes it (TORCHELASTIC_ERROR_FILE), for the launcher's report
+    and status.json: a rank that ends by os._exit has no exception for @record to see."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    try:
+        with open(path, "w") as out:
+            json.dump({"message": {"message": f"{kind}: {message}",
+                                   "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}}, out)
+    except OSError:
+        pass
 
 
 def _touch(path: Path) -> None:

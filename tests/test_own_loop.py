@@ -135,7 +135,7 @@ def test_a_script_whose_ranks_all_go_silent_is_reported_with_every_ranks_stacks(
     assert "stuck_here" in stacks[1] and "hangs.py" in stacks[1]
     assert "barrier" in stacks[0] and "stuck_here" not in stacks[0]
     status = json.loads((run_dir / "status.json").read_text())
-    assert status["status"] == "failed" and "exit code 70" in status["error"], status
+    assert status["status"] == "failed" and "exit code 70: HangDetected: no rank printed" in status["error"], status
 
 
 # Rank 1 goes silent until the hang is reported, then goes on: a script without ddp_loop's API is reported, and its
@@ -201,6 +201,41 @@ def test_a_rank_saving_for_longer_than_the_hang_limit_is_never_ended(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "checkpoints" / "last.bin").stat().st_size == 12 << 16
     assert not (run_dir / "hang").exists() and "hang:" not in proc.stderr
+
+
+# Rank 1 is frozen (SIGSTOP) at step 3 of a script that reports: rank 0 waits for it in a collective.
+FREEZES = """
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+import ddp_loop
+
+dist.init_process_group("gloo")
+for step in range(1, 100):
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    ddp_loop.report(step, loss=1.0 / step)
+    if step == 3 and dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+dist.destroy_process_group()
+"""
+
+
+def test_a_frozen_rank_of_a_script_is_named_in_the_runs_error(tmp_path):
+    """The healthy rank's hang exit was the run's whole error ("rank 0 failed, exit code 70"): the frozen rank, which
+    wrote no stacks, is now named in it."""
+    here = project(tmp_path)
+    (here / "freezes.py").write_text(FREEZES)
+    run_dir = here / "runs" / "freezes"
+    proc = run_cli("launcher", "program=script", "program.script=freezes.py", "trainer.procs_per_node=2",
+                   "trainer.hang_timeout_s=3", "launcher.shutdown_timeout_s=5", f"hydra.run.dir={run_dir}", cwd=here,
+                   timeout=180)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert "HangDetected" in status["error"] and "rank(s) [1] wrote no stacks" in status["error"], status
 
 
 ENDS = """
