@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from omegaconf import DictConfig
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig
@@ -81,12 +81,8 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
         rdzv_configs={"join_timeout": cfg.launcher.rdzv_timeout_s, "timeout": cfg.launcher.rdzv_timeout_s},
         max_restarts=cfg.launcher.max_restarts,
         monitor_interval=cfg.launcher.monitor_interval_s,
-        # Every rank's stdout and stderr in RUN_DIR/logs/<run>/attempt_<N>/<local rank>/ (with its error file: a
-        # failed rank's traceback), and on the console (tee), of the ranks asked for: torchrun's --log-dir,
-        # --redirects 3 --tee 3 --local-ranks-filter.
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL, tee=Std.ALL,
-                                    local_ranks_filter=set(cfg.launcher.console_ranks) or None),
-        log_line_prefix_template=RANK_PREFIX,
+        # Where the agent keeps each attempt's error files (a failed rank's traceback); stdout stays on the console.
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
         # The address the rendezvous publishes as MASTER_ADDR: the node's IP where the engine knows it (a Ray
         # node's; a KubeRay pod answers by IP only), else torch looks up this machine's FQDN.
         local_addr=os.environ.get(NODE_ADDR_ENV) or None,
@@ -112,9 +108,6 @@ def numa_options(binding: str):
     except ImportError:
         return None
     return NumaOptions(affinity_mode=AffinityMode(binding), should_fall_back_if_binding_fails=True)
-
-
-RANK_PREFIX = "[rank${rank}]:"  # each console line of a rank (torch's template: ${rank} is the global rank)
 
 
 def threads_per_process(cfg: Config) -> int:
@@ -385,10 +378,6 @@ class Local(Backend):
                 f"node (run the same command on every node), e.g. launcher.rdzv_endpoint=node0:29400."
             )
         _check_endpoint(cfg, problems)
-        procs = procs_per_node(cfg.trainer)
-        if any(not 0 <= r < procs for r in cfg.launcher.console_ranks):
-            problems.append(f"launcher.console_ranks={list(cfg.launcher.console_ranks)}: local ranks run from 0 to "
-                            f"{procs - 1} on each node here; give some of them (e.g. [0]), or [] for every rank.")
         if cfg.launcher.numa_binding not in NUMA_BINDINGS:
             problems.append(f"launcher.numa_binding={cfg.launcher.numa_binding!r} is not one of "
                             f"{', '.join(NUMA_BINDINGS)} (torchrun's --numa-binding): node binds each GPU rank to its "
