@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -52,7 +53,9 @@ class ProgramConfig:
     name: str = "trainer"  # trainer: this package's trainer | script: your own training script (conf/program/)
     script: str = ""  # program=script: the Python file every rank runs (relative to the launch directory)
     module: str = ""  # program=script: or a module, run as python -m MODULE
-    args: list[str] = field(default_factory=list)  # program=script: its command-line arguments
+    # program=script: its command-line arguments, each word as typed on the command line (launcher/backends/script.py
+    # args_as_typed); Any, not str: Hydra types `null`, `true` before the launcher reads the words as written
+    args: list[Any] = field(default_factory=list)
     # program=script, when no rank printed, reported or saved for trainer.hang_timeout_s: auto: the ranks are ended
     # (restarted or failed) where the script uses ddp_loop's API, else only reported | report | end (ddp_loop._Watch)
     on_hang: str = "auto"

@@ -117,6 +117,16 @@ dist.barrier()
 """
 
 
+def run_two_ranks(here, name: str, text: str, *overrides: str):
+    """The script `text` as here/NAME.py on two ranks, trainer.hang_timeout_s=3 unless overridden; the ended launch and
+    its run directory."""
+    (here / f"{name}.py").write_text(text)
+    run_dir = here / "runs" / name
+    proc = run_cli("launcher", "program=script", f"program.script={name}.py", "trainer.procs_per_node=2",
+                   "trainer.hang_timeout_s=3", *overrides, f"hydra.run.dir={run_dir}", cwd=here, timeout=180)
+    return proc, run_dir
+
+
 def test_a_script_whose_ranks_all_go_silent_is_reported_with_every_ranks_stacks(tmp_path):
     """No rank printed or reported for trainer.hang_timeout_s: every rank writes its stacks into RUN_DIR/hang/ (rank 1
     where it is stuck, rank 0 in the barrier that waits for it) and, as asked (program.on_hang=end), exits 70; the
@@ -157,11 +167,7 @@ dist.destroy_process_group()
 
 
 def test_a_silent_script_without_the_api_is_reported_and_not_ended(tmp_path):
-    here = project(tmp_path)
-    (here / "silent.py").write_text(SILENT_UNTIL_REPORTED)
-    run_dir = here / "runs" / "silent"
-    proc = run_cli("launcher", "program=script", "program.script=silent.py", "trainer.procs_per_node=2",
-                   "trainer.hang_timeout_s=3", f"hydra.run.dir={run_dir}", cwd=here, timeout=120)
+    proc, run_dir = run_two_ranks(project(tmp_path), "silent", SILENT_UNTIL_REPORTED)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [incident] = (run_dir / "hang").iterdir()
     assert sorted(p.name for p in incident.glob("rank*.txt")) == ["rank0.txt", "rank1.txt"]
@@ -193,11 +199,7 @@ dist.destroy_process_group()
 
 
 def test_a_rank_saving_for_longer_than_the_hang_limit_is_never_ended(tmp_path):
-    here = project(tmp_path)
-    (here / "saves.py").write_text(SAVES_SLOWLY)
-    run_dir = here / "runs" / "saves"
-    proc = run_cli("launcher", "program=script", "program.script=saves.py", "trainer.procs_per_node=2",
-                   "trainer.hang_timeout_s=3", f"hydra.run.dir={run_dir}", cwd=here, timeout=120)
+    proc, run_dir = run_two_ranks(project(tmp_path), "saves", SAVES_SLOWLY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "checkpoints" / "last.bin").stat().st_size == 12 << 16
     assert not (run_dir / "hang").exists() and "hang:" not in proc.stderr
@@ -227,12 +229,7 @@ dist.destroy_process_group()
 def test_a_frozen_rank_of_a_script_is_named_in_the_runs_error(tmp_path):
     """The healthy rank's hang exit was the run's whole error ("rank 0 failed, exit code 70"): the frozen rank, which
     wrote no stacks, is now named in it."""
-    here = project(tmp_path)
-    (here / "freezes.py").write_text(FREEZES)
-    run_dir = here / "runs" / "freezes"
-    proc = run_cli("launcher", "program=script", "program.script=freezes.py", "trainer.procs_per_node=2",
-                   "trainer.hang_timeout_s=3", "launcher.shutdown_timeout_s=5", f"hydra.run.dir={run_dir}", cwd=here,
-                   timeout=180)
+    proc, run_dir = run_two_ranks(project(tmp_path), "freezes", FREEZES, "launcher.shutdown_timeout_s=5")
     assert proc.returncode == 1, proc.stderr[-3000:]
     status = json.loads((run_dir / "status.json").read_text())
     assert "HangDetected" in status["error"] and "rank(s) [1] wrote no stacks" in status["error"], status

@@ -76,7 +76,7 @@ def user_command(cfg: Config) -> list[str]:
     then its arguments."""
     p = cfg.program
     target = [str(Path(p.script).resolve())] if p.script else ["-m", p.module]
-    return [*target, *p.args]
+    return [*target, *(str(arg) for arg in p.args)]
 
 
 def script_command(cfg: Config) -> list[str]:
