@@ -233,8 +233,10 @@ def test_replica_groups_one_per_node_a_killed_one_restarts_on_its_node_and_heals
     Lighthouse on the job's port. Group 1 (on n2) is killed at step 10, restarted there alone, and heals from group
     0, which never stops; the job completes with both groups' weights identical."""
     run_dir = tmp_path / "run"
+    # Steps slow enough that group 0 still trains when group 1 is back: its restart is a fresh interpreter (~5 s of
+    # a loaded 2-core machine before its first step); with 100 ms, group 0 had ended before it (2 fresh-clone runs).
     env = {"PYTHONPATH": str(FAULTS_DIR), "FAULT": "kill", "FAULT_GROUP": "1", "FAULT_RANK": "0", "FAULT_STEP": "10",
-           "STEP_DELAY_MS": "100"}
+           "STEP_DELAY_MS": "300"}
     proc = launch(*JOB, "trainer.fault_tolerance=replicas", "trainer.replica_groups=2", "launcher.max_restarts=1",
                   "trainer.epochs=2", f"hydra.run.dir={run_dir}", env=env)
     assert proc.returncode == 0, proc.stderr
