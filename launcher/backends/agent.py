@@ -389,8 +389,9 @@ class AnnouncedRendezvous:
 
 
 def extensions_supported() -> bool:
-    """Whether this torch's LocalElasticAgent has the private members `Agent` extends, with the same shapes. An install without torch's Python sources (only bytecode:
-    inspect.getsource raises OSError) cannot be checked: torch's own agent runs there, as on an untested torch."""
+    """Whether this torch's LocalElasticAgent has the private members `Agent` extends, with the same shapes. An
+    install without torch's Python sources (only bytecode: inspect.getsource raises OSError) cannot be checked:
+    torch's own agent runs there, as on an untested torch."""
     try:
         return _extensions_there()
     except (AttributeError, TypeError, ValueError, OSError):

@@ -84,6 +84,24 @@ def innermost_own_frame(stack: traceback.StackSummary) -> str:
     return f"{own[-1].filename}:{own[-1].lineno} in {own[-1].name}" if own else ""
 
 
+def ask(store, operation, wait_s: float) -> tuple[bool, object]:
+    """(answered, `operation(store)`): False where it fails or has not returned within `wait_s`. In a thread of its
+    own: a client of a frozen server (rank 0 stopped, its store's thread with it) waits forever whatever its timeout,
+    and the rank asking must not; a call left waiting is a daemon thread, which never holds the exit."""
+    outcome: dict = {}
+
+    def call() -> None:
+        try:
+            outcome["value"] = operation(store)
+        except Exception as error:  # noqa: BLE001 - the store's host is gone or busy: the caller's to judge
+            outcome["error"] = error
+
+    asking = threading.Thread(target=call, name="store-call", daemon=True)
+    asking.start()
+    asking.join(wait_s)
+    return "value" in outcome, outcome.get("value")
+
+
 class HangReports:
     """`store`: a store client shared by the ranks of this attempt, with a short timeout (train.dist.side_store),
     where the request is posted; None (or a store that stops answering): the file RUN_DIR/hang/request. `connect`:
@@ -104,24 +122,13 @@ class HangReports:
         if self.store is None and self.connect is not None and time.monotonic() >= self.retry_at:
             self.store = self.connect()
             self.retry_at = time.monotonic() + STORE_RETRY_S
-        store = self.store
-        if store is None:
+        if self.store is None:
             return None
-        outcome: dict = {}
-
-        def call() -> None:
-            try:
-                outcome["value"] = operation(store)
-            except Exception as error:  # noqa: BLE001 - rank 0, which serves it, is gone: the file system works
-                outcome["error"] = error
-
-        asking = threading.Thread(target=call, name="hang-store", daemon=True)
-        asking.start()
-        asking.join(STORE_WAIT_S)
-        if "value" not in outcome:  # failed, or still waiting (left behind: a daemon, it never holds the exit)
+        answered, value = ask(self.store, operation, STORE_WAIT_S)
+        if not answered:  # rank 0, which serves it, is gone or frozen: the file system serves meanwhile
             self.store, self.retry_at = None, time.monotonic() + STORE_RETRY_S
             return None
-        return outcome["value"]
+        return value
 
     def _fresh_request(self) -> str | None:
         if self.store is not None or self.connect is not None:

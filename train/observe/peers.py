@@ -14,9 +14,10 @@ starting) is not judged: the start-up's own watch covers it.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
+
+from train.observe.hang import ask
 
 LOST = "lost"  # the key rank 0 writes: which ranks showed no sign of life, and for how long
 ASK_S = 5.0  # a store call not answered by then counts as unanswered (a frozen server never answers)
@@ -38,28 +39,17 @@ class Peers:
         self.moved: dict[int, float] = {}  # when each rank's count last moved, as rank 0 saw it
 
     def _ask(self, operation):
-        """`operation(store)`, or None where there is no store or it fails or does not answer within ASK_S (in a
-        thread of its own: a client of a frozen server waits forever, whatever its timeout)."""
+        """`operation(store)`, or None where there is no store or it fails or does not answer within ASK_S."""
         if self.store is None:
             self.store = self.connect()
             if self.store is None:
                 return None
-        store, outcome = self.store, {}
-
-        def call() -> None:
-            try:
-                outcome["value"] = operation(store)
-            except Exception as error:  # noqa: BLE001 - the store's host is gone, or busy: asked again next tick
-                outcome["error"] = error
-
-        asking = threading.Thread(target=call, name="peers-store", daemon=True)
-        asking.start()
-        asking.join(ASK_S)
-        if "value" not in outcome:
+        answered, value = ask(self.store, operation, ASK_S)
+        if not answered:
             self.store = None  # a fresh client next tick
             return None
         self.answered = time.monotonic()
-        return outcome["value"]
+        return value
 
     def tick(self, waiting: bool) -> str | None:
         """This rank's sign of life; on rank 0, the judgement of every rank's; where this rank waits on the others
