@@ -140,6 +140,10 @@ class CheckpointConfig:
     # A fresh start begins from these weights (strict: every key and shape of the model): an export
     # (python -m launcher.export), any saved state dict (.pt) or a .safetensors file. A resume ignores it.
     init_from: str = ""
+    # Also keep the checkpoints in an object store: s3://bucket/prefix or any fsspec URL (gs://, az://, file://).
+    # Each is written on the disk as usual, then uploaded in the background and committed there by a record written
+    # last; a start on a fresh machine resumes from the store. Credentials come from the environment (boto, fsspec).
+    store: str = ""
 
 
 CHECKPOINT_FORMATS = ("auto", "file", "dcp")

@@ -74,7 +74,7 @@ def main(config_path: str | Path) -> Outcome:
     try:
         control = distributed.control_group(backend)
         # A background save runs its collectives from another thread: on a group of its own.
-        saving = distributed.own_group() if cfg.checkpoint.async_save else control
+        saving = distributed.own_group() if cfg.checkpoint.async_save or cfg.checkpoint.store else control
         run = build(cfg, config_path.parent, env, device, control, watchdog, saving)
         keep_freed_memory()  # after the build (its peak stays glibc's): the steps free and take back the same memory
         return fit(run)

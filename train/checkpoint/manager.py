@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import pickle
+import shutil
 from pathlib import Path
 
 import torch.distributed as dist
@@ -23,6 +25,7 @@ from train.checkpoint.catalog import FORMATS, LEGACY, Committed
 from train.checkpoint.file import CheckpointDamaged, CheckpointSaveError
 from train.checkpoint.io import os_error, unwatched
 from train.checkpoint.staging import BackgroundWriter, Stager
+from train.checkpoint.store import Record, Store, StoreDamaged, file_digest, unique_suffix
 from train.config import CheckpointConfig
 from train.dist import broadcast_from_main, first_given, gather_to_main, patient
 
@@ -48,7 +51,12 @@ class CheckpointManager:
     training goes on; at most one save is in flight, and `wait` (before the next save, at a stop, at the end)
     finishes it. Collectives of the saves and of choosing a checkpoint go over `group` (gloo).
 
-    `local_rank`: the first rank of each node (0) verifies a single file for its node."""
+    `local_rank`: the first rank of each node (0) verifies a single file for its node, and downloads a checkpoint
+    from the store for its node.
+
+    With `cfg.store` (a URL, train/checkpoint/store.py) every committed checkpoint is then uploaded in the background
+    (at most one upload in flight; `wait` finishes it too) and committed there by the writer's record, last; the
+    newest commit of the disk and the store together is the one that resumes."""
 
     def __init__(self, directory: Path, cfg: CheckpointConfig, is_writer: bool, fmt: str = "file", group=None,
                  watchdog=Unwatched, local_rank: int = 0, lists: bool | None = None):
@@ -66,10 +74,13 @@ class CheckpointManager:
         self.next_commit = 0
         self.background = BackgroundWriter() if cfg.async_save else None
         self.stager = Stager()
+        self.store = Store(cfg.store) if cfg.store else None
+        self.uploads = BackgroundWriter() if self.store is not None else None
+        self.upload_failed: str | None = None  # why the newest upload did not commit (None: it did, or none yet)
         if is_writer:
             directory.mkdir(parents=True, exist_ok=True)
             catalog.recover(directory)
-            self.next_commit = max((c.commit for c in self.committed()), default=LEGACY) + 1
+            self.next_commit = self._newest_commit() + 1
 
     def take_over(self) -> None:
         """Write the next save (replica groups: the writing group changes when group 0 is down), numbered after
@@ -77,7 +88,12 @@ class CheckpointManager:
         if not self.is_writer:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.is_writer = True
-        self.next_commit = max(self.next_commit, max((c.commit for c in self.committed()), default=LEGACY) + 1)
+        self.next_commit = max(self.next_commit, self._newest_commit() + 1)
+
+    def _newest_commit(self) -> int:
+        """The highest commit number on the disk and in the store: a new commit is numbered above both."""
+        stored = self.store.committed() if self.store is not None else []
+        return max((c.commit for c in [*self.committed(), *stored]), default=LEGACY)
 
     @contextlib.contextmanager
     def waiting(self, what: str):
@@ -106,6 +122,8 @@ class CheckpointManager:
         if tensors is None:
             with self.waiting("waiting for rank 0 to write the checkpoint"):
                 self._write_file(state, step, meta, best)
+            if self.store is not None and self.is_writer:
+                self.uploads.submit(self._upload_file, file.SingleFile.path(self.directory, step), meta, best)
             return
         path = dcp.StepDirectory.path(self.directory, step)
         if self.is_writer:
@@ -113,21 +131,37 @@ class CheckpointManager:
         meta["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
         if self.background is None:
             with self.waiting("writing a sharded checkpoint"):
-                self._write_dir(tensors, state, own, path, meta, best)
+                mine = self._write_dir(tensors, state, own, path, meta, best)
+            if self.store is not None:
+                self.uploads.submit(self._upload_dir, path, mine, meta, best)
         else:
             staged = self.stager.stage(tensors)  # the training stalls for this copy only
-            self.background.submit(self._write_dir, staged, state, own, path, meta, best)
+            self.background.submit(self._write_and_upload_dir, staged, state, own, path, meta, best)
 
     def wait(self) -> None:
-        """Finish the save in flight, if any (every rank). A failed background save raises here."""
+        """Finish the save and the upload in flight, if any (every rank). A failed background save raises here; a
+        failed upload is said (the checkpoint on the disk is committed) and raises at `close`."""
         if self.background is not None and self.background.busy:
             with self.waiting("waiting for the checkpoint being written"):
                 self.background.wait()
+        if self.uploads is not None and self.uploads.busy:
+            with self.waiting(f"waiting for the upload to {self.store.url}"):
+                self.uploads.wait()
 
     def close(self) -> None:
+        """Finish what is in flight. A run whose newest checkpoint did not reach the store ends with an error that
+        says so (its disk holds it; the next start uploads it)."""
+        if self.uploads is not None and self.uploads.busy:
+            log.info("waiting for the upload to %s to finish", self.store.url)
         self.wait()
         if self.background is not None:
             self.background.close()
+        if self.uploads is not None:
+            self.uploads.close()
+        if self.upload_failed is not None and self.is_writer:
+            raise CheckpointSaveError(
+                f"the newest checkpoint did not reach checkpoint.store={self.store.url}: {self.upload_failed}. It is "
+                f"committed in {self.directory}; run the same command again on this machine: it uploads it first.")
 
     def _write_file(self, state: dict, step: int, meta: dict, best: bool) -> None:
         if self.is_writer:
@@ -140,9 +174,18 @@ class CheckpointManager:
         if dist.is_initialized():
             dist.barrier(group=self.group)  # every rank's save ends when the file is committed
 
-    def _write_dir(self, tensors: dict, state: dict, own: dict | None, path: Path, meta: dict, best: bool) -> None:
+    def _write_and_upload_dir(self, tensors: dict, state: dict, own: dict | None, path: Path, meta: dict,
+                              best: bool) -> None:
+        """An asynchronous save: written, then uploaded, by the one background thread (at most one in flight)."""
+        mine = self._write_dir(tensors, state, own, path, meta, best)
+        if self.store is not None:
+            self._upload_dir(path, mine, meta, best)
+
+    def _write_dir(self, tensors: dict, state: dict, own: dict | None, path: Path, meta: dict,
+                   best: bool) -> dict[str, dict]:
         """Every rank writes and hashes its shards and its own small state; the writer adds trainer.pt and commits
-        the manifest of every rank's digests, gathered onto it (no file is read again)."""
+        the manifest of every rank's digests, gathered onto it (no file is read again). Returns {name: digest} of
+        the files this rank wrote (the writer's include trainer.pt)."""
         tmp = dcp.writing(path)
         try:
             mine = dcp.write_tensors(tensors, tmp, self.group, self.watchdog.io)
@@ -153,7 +196,9 @@ class CheckpointManager:
             for written in gather_to_main(mine, self.group) or []:
                 files.update(written)
             if self.is_writer:
-                files.update(dcp.write_trainer_state(state, tmp, self.watchdog.io))
+                trainer = dcp.write_trainer_state(state, tmp, self.watchdog.io)
+                files.update(trainer)
+                mine.update(trainer)
                 dcp.commit(tmp, meta, files)  # the commit point
                 dcp.publish(tmp, path)
         except (OSError, RuntimeError) as error:  # DCP's torch.save buries a full disk's OSError in a RuntimeError
@@ -166,11 +211,117 @@ class CheckpointManager:
             self._after_commit(meta["step"], best)
         if dist.is_initialized():
             dist.barrier(group=self.group)  # every rank's save ends when the step is committed
+        return mine
+
+    # --- the store ----------------------------------------------------------------------------------------------
+
+    def _upload_file(self, path: Path, meta: dict, best: bool) -> None:
+        """The writer uploads a committed single file and its sidecar, then commits them in the store."""
+        digest, _ = file.read_sidecar(path)
+        files = {path.name: {"size": path.stat().st_size, "sha256": digest},
+                 file.sidecar(path).name: file_digest(file.sidecar(path))}
+        self._uploaded(self._upload(path.parent, path.name, files), meta, best, path.name, "file", files)
+
+    def _upload_dir(self, path: Path, mine: dict[str, dict], meta: dict, best: bool) -> None:
+        """Every rank uploads the files it wrote of a committed step directory; the writer adds the manifest and,
+        once every rank's upload is done, commits them in the store (collective over `group`)."""
+        name = path.name
+        if self.is_writer:
+            self.store.forget(name)  # a step written again: its old record goes before any object is replaced
+        if dist.is_initialized():
+            dist.barrier(group=self.group)
+        manifest = {dcp.MANIFEST: file_digest(path / dcp.MANIFEST)} if self.is_writer else {}
+        problem = self._upload(path, name, {**mine, **manifest}, forget=False)
+        if dist.is_initialized():
+            rank = dist.get_rank(self.group)
+            problem = first_given(problem and f"rank {rank}: {problem}", self.group)
+        if self.is_writer:
+            files = {**dcp.read_manifest(path)["files"], **manifest}
+            self._uploaded(problem, meta, best, name, "dcp", files)
+
+    def _upload(self, source: Path, name: str, files: dict[str, dict], forget: bool = True) -> str | None:
+        """Upload `files` under `name`; what went wrong, or None. Any failure of the store (a network, its
+        credentials, a server error) is reported, never raised: the checkpoint on the disk stands."""
+        try:
+            if forget:
+                self.store.forget(name)
+            self.store.upload(source, name, files)
+        except Exception as error:  # noqa: BLE001 (botocore's and every fsspec backend's errors differ)
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    def _uploaded(self, problem: str | None, meta: dict, best: bool, name: str, fmt: str, files: dict) -> None:
+        """The writer commits the upload in the store (or says why not), then prunes there as on the disk."""
+        record = Record(name, meta["commit"], meta["step"], fmt, files)
+        if problem is None:
+            try:
+                self.store.commit(record)
+                self.store.prune(self.cfg.keep_last)
+                if best:
+                    self.store.copy_best(record)
+            except Exception as error:  # noqa: BLE001 (as in _upload)
+                problem = f"{type(error).__name__}: {error}"
+        if problem is not None:
+            self.upload_failed = problem
+            log.warning("the upload of %s to %s failed (%s); it is committed on the disk, and the next save uploads "
+                        "its own", name, self.store.url, problem)
+            return
+        self.upload_failed = None
+        log.info("uploaded %s to %s (%.1f MB)", name, self.store.where(name), record.size / 1e6)
+
+    def _download(self, name: str) -> str | None:
+        """This node's copy of the store's checkpoint `name` in the directory (its first rank downloads it,
+        verified against the record); what is wrong with it, or None."""
+        record = self.store.record(name)
+        if record is None:
+            return f"{self.store.where(name)} is no longer committed"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.directory / f".{name}.{unique_suffix()}.download"
+        log.info("downloading %s (%.1f MB)", self.store.where(name), record.size / 1e6)
+        try:
+            self.store.download(record, tmp, self.watchdog.io)
+        except StoreDamaged as error:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return str(error)
+        path = self.directory / name
+        if record.format == "file":
+            side = file.sidecar(path)
+            os.replace(tmp / side.name, side)  # the sidecar first: alone, it is an orphan that `recover` removes
+            os.replace(tmp / name, path)
+            shutil.rmtree(tmp)
+        elif dcp.read_manifest(path) is None or dcp.read_manifest(path).get("commit") != record.commit:
+            try:
+                dcp.publish(tmp, path)
+            except OSError:  # another node of a shared file system published the same one meanwhile
+                if (dcp.read_manifest(path) or {}).get("commit") != record.commit:
+                    raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
+
+    def _catch_up(self, path: Path) -> None:
+        """The writer uploads the checkpoint it resumes from when the store lacks it (a run that ended before its
+        last upload finished): the store is never behind the disk for long."""
+        fmt = catalog.format_of(path)
+        stored = self.store.committed()
+        commit = fmt.commit_of(path)
+        if any(r.name == path.name and r.commit == commit for r in stored):
+            return
+        if stored and stored[-1].commit > commit:
+            return
+        meta = {"commit": commit, "step": int(fmt.pattern.match(path.name).group(1))}
+        log.info("the store lacks %s: uploading it before training goes on", path.name)
+        if fmt is dcp.StepDirectory:
+            files = dcp.read_manifest(path)["files"]
+            manifest = {dcp.MANIFEST: file_digest(path / dcp.MANIFEST)}
+            self._uploaded(self._upload(path, path.name, {**files, **manifest}), meta, False, path.name, "dcp",
+                           {**files, **manifest})
+        else:
+            self._upload_file(path, meta, False)
 
     def _after_commit(self, step: int, best: bool) -> None:
         catalog.prune(self.directory, self.cfg.keep_last)
         if best:
-            self.mark_best(step)
+            self._mark_best_on_disk(step)
 
     def _save_failed(self, error: CheckpointSaveError) -> CheckpointSaveError:
         previous = self.committed()
@@ -180,9 +331,17 @@ class CheckpointManager:
         )
 
     def mark_best(self, step: int) -> None:
-        """best.pt / best/ from the checkpoint of `step` (in this run's format, or the one it resumed from)."""
+        """best.pt / best/ from the checkpoint of `step` (in this run's format, or the one it resumed from), on the
+        disk and in the store (after its upload: call `wait` first)."""
         if not self.is_writer:
             return
+        self._mark_best_on_disk(step)
+        if self.store is not None:
+            stored = [r for r in self.store.committed() if r.step == step]
+            if stored:
+                self.store.copy_best(stored[-1])
+
+    def _mark_best_on_disk(self, step: int) -> None:
         mine = FORMATS[self.format]
         for fmt in (mine, *(f for f in FORMATS.values() if f is not mine)):
             if (source := fmt.path(self.directory, step)).exists():
@@ -196,18 +355,37 @@ class CheckpointManager:
         step directory, the small trainer state; its tensors are read by `read_tensors`). A damaged or unsafe one
         is reported and moved aside as *.damaged (kept for inspection, out of the way of resume and pruning); an
         error that is not damage (memory, I/O) stops here and leaves the files alone."""
-        candidates = [str(c.path) for c in reversed(self.committed())] if self.lists else []
+        candidates = self._candidates() if self.lists else []
         with self.waiting("waiting for rank 0 to list the checkpoints"):
             candidates = broadcast_from_main(candidates, self.group)
-        for name in candidates:
-            path = Path(name)
+        for name, stored in candidates:
+            if stored:
+                with self.waiting(f"waiting for the download of {name}"):
+                    problem = self._agreed(self._download(name) if self.local_rank == 0 else None)
+                if problem is not None:
+                    if self.is_writer:
+                        self.store.set_aside(name, problem)
+                    continue
+            path = self.directory / name
             with self.waiting("waiting for every rank to check the checkpoint"):
                 problem, state = self._open_dir(path, rank, world_size) if path.is_dir() else self._open_file(path)
             if problem is None:
+                if self.store is not None and self.is_writer and not stored:
+                    self._catch_up(path)
                 return state
             if self.is_writer:
                 catalog.move_aside(path, problem)
         return None
+
+    def _candidates(self) -> list[tuple[str, bool]]:
+        """(name, in the store only) of every committed checkpoint of the disk and the store, newest commit first:
+        the store's copy where it is newer than the disk's (or the disk has none, as on a fresh machine)."""
+        newest = {c.path.name: (c.commit, False) for c in self.committed()}
+        for record in self.store.committed() if self.store is not None else []:
+            if record.name not in newest or record.commit > newest[record.name][0]:
+                newest[record.name] = (record.commit, True)
+        ordered = sorted(newest.items(), key=lambda item: item[1][0], reverse=True)
+        return [(name, stored) for name, (_, stored) in ordered]
 
     def _agreed(self, problem: str | None) -> str | None:
         """The first rank's problem, on every rank (collective; O(1) per rank whatever the world size)."""
