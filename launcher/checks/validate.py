@@ -297,9 +297,10 @@ def _check_files(cfg: Config, run_dir: Path, problems: list[str]) -> None:
             print(f"dry run: {error}\ndry run: planned with a stand-in of the same shape and size, {found[1]}; the run "
                   f"itself needs the files.", file=sys.stderr)
     _check_checkpoint_dir(checkpoint_dir(run_dir), problems)
+    stored = _check_store(cfg.checkpoint.store, problems)
     if not cfg.checkpoint.resume:
         try:
-            refuse_fresh_start_over(run_dir)
+            refuse_fresh_start_over(run_dir, stored, cfg.checkpoint.store)
         except FileExistsError as error:
             problems.append(str(error))
     else:
@@ -317,6 +318,44 @@ def _check_checkpoint_dir(directory: Path, problems: list[str]) -> None:
     elif directory.exists() and not os.access(directory, os.W_OK | os.X_OK):
         problems.append(f"{directory}: this user may not write there (permission denied): give it write access, or "
                         f"start the run in another directory (hydra.run.dir=...).")
+
+
+def _check_store(url: str, problems: list[str]) -> list | None:
+    """checkpoint.store: a URL whose file system is installed, without credentials in it (they would be written
+    into config.yaml and every log), and that lists with the environment's credentials. Its committed checkpoints
+    (None without a store, or when it cannot be listed)."""
+    if not url:
+        return None
+    from urllib.parse import urlsplit
+
+    from train.checkpoint.store import Store
+
+    if "@" in urlsplit(url).netloc:
+        problems.append(f"checkpoint.store={url.split('://')[0]}://...@...: the URL holds credentials, which would be "
+                        f"written into config.yaml and the logs; give the bucket alone (s3://bucket/prefix) and the "
+                        f"credentials in the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE).")
+        return None
+    try:
+        store = Store(url)
+    except ImportError as error:
+        problems.append(f"checkpoint.store={url}: {error} (pip install -e '.[s3]' installs s3fs for s3:// URLs).")
+        return None
+    except ValueError as error:
+        problems.append(f"checkpoint.store={url}: {error}; give an fsspec URL such as s3://bucket/prefix, gs://..., "
+                        f"az://... or file:///path.")
+        return None
+    try:
+        bucket = store.root.split("/", 1)[0]
+        if store.fs.protocol not in ("file", "local", ("file", "local")) and not store.fs.exists(bucket):
+            problems.append(f"checkpoint.store={url}: the bucket {bucket} does not exist (or these credentials may not "
+                            f"see it): create it, or name one that does.")
+            return None
+        return store.committed()
+    except Exception as error:  # noqa: BLE001 (botocore's and every fsspec backend's errors differ)
+        problems.append(f"checkpoint.store={url} cannot be listed: {type(error).__name__}: {error}. Check the "
+                        f"credentials and endpoint in this environment (for S3: AWS_ACCESS_KEY_ID, "
+                        f"AWS_SECRET_ACCESS_KEY or AWS_PROFILE, AWS_ENDPOINT_URL) and the network.")
+        return None
 
 
 def _check_init_from(cfg: Config, problems: list[str]) -> None:

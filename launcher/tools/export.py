@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -119,7 +120,8 @@ def export(run_dir: Path, out: Path, step: int | None = None, best: bool = False
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path, help="the run directory (holds config.yaml and checkpoints/)")
+    parser.add_argument("run_dir", help="the run directory (holds config.yaml and checkpoints/), or the "
+                                                    "URL of its checkpoint.store (s3://bucket/prefix)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest committed one)")
     which.add_argument("--best", action="store_true", help="the best evaluation's checkpoint")
@@ -128,6 +130,56 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--hf", type=Path, metavar="DIR",
                        help="a Hugging Face model's folder (config.json, model.safetensors) for from_pretrained")
     args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="export-") as scratch:
+        if "://" in args.run_dir:
+            try:
+                args.store, args.run_dir = args.run_dir, from_store(args.run_dir, Path(scratch), args.step, args.best)
+            except ExportError as error:
+                print(f"error: {error}", file=sys.stderr)
+                return 2
+        else:
+            args.run_dir = Path(args.run_dir)
+        return _export(parser, args)
+
+
+def from_store(url: str, scratch: Path, step: int | None, best: bool) -> Path:
+    """A run directory in `scratch` with the run's config.yaml and the one checkpoint of the store at `url`
+    (checkpoint.store) that --step/--best name, downloaded and verified."""
+    from train.checkpoint.store import BEST as STORE_BEST
+    from train.checkpoint.store import Store, StoreDamaged
+
+    try:
+        store = Store(url)
+        found = store.committed()
+        record = store.record(STORE_BEST) if best else next((r for r in reversed(found) if step in (None, r.step)), None)
+        config = store.fs.cat_file(store._key(CONFIG_FILE)) if record is not None else None
+    except ExportError:
+        raise
+    except FileNotFoundError:
+        raise ExportError(f"{url} has no {CONFIG_FILE}: give the checkpoint.store URL of a training run") from None
+    except Exception as error:  # noqa: BLE001 (any fsspec backend's errors)
+        raise ExportError(f"{url} cannot be read: {type(error).__name__}: {error}") from None
+    if record is None:
+        which = "best checkpoint" if best else f"checkpoint of step {step}" if step is not None else "checkpoint"
+        raise ExportError(f"{url} holds no committed {which}; the steps there: "
+                          f"{', '.join(str(r.step) for r in found) or 'none'}")
+    run_dir = scratch / "run"
+    directory = checkpoint_dir(run_dir)
+    (run_dir / CONFIG_FILE).parent.mkdir(parents=True)
+    (run_dir / CONFIG_FILE).write_bytes(config)
+    target = directory / (BEST_DIR if best else record.name) if record.format == "dcp" else directory
+    try:
+        store.download(record, target)
+    except StoreDamaged as error:
+        raise ExportError(f"{error}: choose another step with --step") from None
+    if best and record.format == "file":  # best.pt is the step file under its own name
+        name = next(n for n in record.files if not n.endswith(".sha256"))
+        (directory / name).rename(directory / BEST)
+        (directory / f"{name}.sha256").rename(directory / f"{BEST}.sha256")
+    return run_dir
+
+
+def _export(parser, args) -> int:
     if not (args.run_dir / CONFIG_FILE).is_file():
         parser.error(f"{args.run_dir} has no {CONFIG_FILE}: give the run directory of a training run")
     try:
@@ -136,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if getattr(args, "store", None):
+        print(f"wrote {out} from {args.store.rstrip('/')}/{'best' if args.best else Path(source).name}")
+        return 0
     print(f"wrote {out} from {source}")
     if args.step is None and not args.best:
         try:

@@ -14,10 +14,12 @@ from rich.table import Table
 
 from launcher.backends.base import lease_holder_alive
 from launcher.run_dir.lease import read_lease
+from train.checkpoint import checkpoint_dir, committed
+from train.config import CONFIG_FILE
 from train.observe.metrics import read_records
 from train.observe.status import read_status
 
-COLUMNS = ("run", "state", "step", "loss", "eval", "throughput", "eta", "restarts", "updated")
+COLUMNS = ("run", "state", "step", "loss", "eval", "throughput", "eta", "restarts", "saved", "updated")
 RATE_RECORDS = 5  # the step rate is measured over this attempt's last few train records
 
 
@@ -71,8 +73,28 @@ def run_progress(run_dir: Path, now: float | None = None) -> dict:
         "throughput": speed,
         "eta": _duration((stop - step) * per_step) if state == "running" and per_step and stop else None,
         "restarts": str(int(last.get("restarts", 0))) if last else None,
+        "saved": saved(run_dir),
         "updated": f"{_duration(now - records[-1]['time'])} ago" if records else None,
     }
+
+
+def saved(run_dir: Path) -> str | None:
+    """The step of the newest committed checkpoint, on the disk and, with checkpoint.store, in the store (what a
+    start on a fresh machine resumes from)."""
+    found = committed(checkpoint_dir(run_dir))
+    text = f"step {found[-1].step}" if found else None
+    config = run_dir / CONFIG_FILE
+    url = ""
+    if config.exists():
+        from omegaconf import OmegaConf
+
+        url = OmegaConf.select(OmegaConf.load(config), "checkpoint.store") or ""
+    if url:
+        from launcher.tools.summary import stored_checkpoints
+
+        stored = stored_checkpoints(url)
+        text = f"{text or 'none'} (store: {f'step {stored[-1].step}' if stored else 'none'})"
+    return text
 
 
 def _duration(seconds: float) -> str:

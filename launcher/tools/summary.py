@@ -55,6 +55,19 @@ def _strategy(cfg: Config, world: int) -> str:
     return STRATEGY_NOTES[t.strategy].format(world=world, microbatches=t.microbatches, schedule=t.pipeline_schedule)
 
 
+def stored_checkpoints(url: str) -> list:
+    """The commit records of checkpoint.store (train/checkpoint/store.py); none without a store or where it cannot be
+    listed (the checks before start said why)."""
+    if not url:
+        return []
+    from train.checkpoint.store import Store
+
+    try:
+        return Store(url).committed()
+    except Exception:  # noqa: BLE001 (any backend's error: reported by launcher/checks/validate.py)
+        return []
+
+
 def summary(cfg: Config, run_dir: Path, changed: list[str], inherited: list[str] = ()) -> str:
     t, o = cfg.trainer, cfg.optim
     world = world_size(cfg.trainer)
@@ -62,7 +75,10 @@ def summary(cfg: Config, run_dir: Path, changed: list[str], inherited: list[str]
     lr = scaled_lr(o, batch)
     lr_note = f" (linear scaling: {o.lr:g} x {batch}/{o.reference_batch_size})" if o.scale_lr else ""
     checkpoints = committed(checkpoint_dir(run_dir))
-    if checkpoints and cfg.checkpoint.resume:
+    stored = stored_checkpoints(cfg.checkpoint.store)
+    if stored and cfg.checkpoint.resume and (not checkpoints or stored[-1].commit > checkpoints[-1].commit):
+        start = f"resume from the newest loadable checkpoint ({stored[-1].name} in {cfg.checkpoint.store})"
+    elif checkpoints and cfg.checkpoint.resume:
         start = f"resume from the newest loadable checkpoint ({checkpoints[-1].path.name})"
     else:
         start = "fresh start"

@@ -61,14 +61,21 @@ def committed(directory: Path) -> list[Committed]:
     return sorted(found, key=lambda c: (c.commit, c.step))
 
 
-def refuse_fresh_start_over(run_dir: Path) -> None:
-    """checkpoint.resume=false must not train over (and later prune) an earlier run's checkpoints."""
+def refuse_fresh_start_over(run_dir: Path, stored: list | None = None, store_url: str = "") -> None:
+    """checkpoint.resume=false must not train over (and later prune) an earlier run's checkpoints, on the disk or
+    in the store (`stored`: its commit records, train/checkpoint/store.py)."""
     found = committed(checkpoint_dir(run_dir))
     if found:
         raise FileExistsError(
             f"checkpoint.resume=false, but {checkpoint_dir(run_dir)} already holds {len(found)} checkpoint(s) "
             f"(newest {found[-1].path.name}): choose a new run directory (hydra.run.dir=...), delete them, or resume "
             f"(checkpoint.resume=true)."
+        )
+    if stored:
+        raise FileExistsError(
+            f"checkpoint.resume=false, but checkpoint.store{'=' + store_url if store_url else ''} already holds "
+            f"{len(stored)} checkpoint(s) (newest {stored[-1].name}): give this run its own prefix "
+            f"(checkpoint.store=.../another), delete them, or resume (checkpoint.resume=true)."
         )
 
 

@@ -27,6 +27,7 @@ from train.checkpoint.io import os_error, unwatched
 from train.checkpoint.staging import BackgroundWriter, Stager
 from train.checkpoint.store import Record, Store, StoreDamaged, file_digest, unique_suffix
 from train.config import CheckpointConfig
+from train.contract import CONFIG_FILE
 from train.dist import broadcast_from_main, first_given, gather_to_main, patient
 
 log = logging.getLogger("train.checkpoint")
@@ -77,6 +78,7 @@ class CheckpointManager:
         self.store = Store(cfg.store) if cfg.store else None
         self.uploads = BackgroundWriter() if self.store is not None else None
         self.upload_failed: str | None = None  # why the newest upload did not commit (None: it did, or none yet)
+        self.config_uploaded = False
         if is_writer:
             directory.mkdir(parents=True, exist_ok=True)
             catalog.recover(directory)
@@ -268,6 +270,11 @@ class CheckpointManager:
             return
         self.upload_failed = None
         log.info("uploaded %s to %s (%.1f MB)", name, self.store.where(name), record.size / 1e6)
+        if not self.config_uploaded and (config := self.directory.parent / CONFIG_FILE).is_file():
+            # the run's resolved config beside its checkpoints: export reads the store alone (no credentials in it)
+            with contextlib.suppress(Exception):
+                self.store.fs.pipe_file(self.store._key(CONFIG_FILE), config.read_bytes())
+                self.config_uploaded = True
 
     def _download(self, name: str) -> str | None:
         """This node's copy of the store's checkpoint `name` in the directory (its first rank downloads it,

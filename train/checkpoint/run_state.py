@@ -22,7 +22,8 @@ def resume_state(ckpt: CheckpointManager, env: DistEnv) -> dict | None:
     fresh start. Each stream read is watched against checkpoint.io_timeout_s; waits on other ranks' reading are not
     hangs."""
     if env.writes and not ckpt.cfg.resume:
-        refuse_fresh_start_over(ckpt.directory.parent)
+        stored = ckpt.store.committed() if ckpt.store is not None else None
+        refuse_fresh_start_over(ckpt.directory.parent, stored, ckpt.cfg.store)
     if not ckpt.cfg.resume:
         return None
     state = ckpt.choose(env.rank, env.world_size)
