@@ -114,6 +114,18 @@ def test_checkpoint_scale_benchmark_measures_commit_resume_and_staging(tmp_path)
     assert len(report["staging"]["reused_s"]) == len(report["staging"]["fresh_s"]) == 2
 
 
+def test_object_store_benchmark_measures_transfers_step_times_and_what_each_rank_sends(tmp_path):
+    proc = run_cli("benchmarks.object_store", "--mb", "4", "--shard-total-mb", "8", "--worlds", "8", "--steps", "30",
+                   cwd=REPO,
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "upload" in proc.stdout and "MB/s" in proc.stdout
+    assert proc.stdout.count("ms during one") == 2  # to S3 and to file://
+    # a step directory of 8 MB over 8 ranks: each rank uploads its own 1 MB shard; rank 0 adds the small files
+    assert "world   8 rank   7:     1.00 MB in 1 objects" in proc.stdout
+    assert "world   8 rank   0:     1.00 MB in 4 objects" in proc.stdout
+
+
 def test_gpu_check_without_a_gpu_says_to_run_its_cpu_checks(tmp_path):
     """The script a lent GPU runs (a check of it runs under the prepared command's test below)."""
     refused = run_cli("benchmarks.gpu_check", cwd=REPO)  # no GPU here: it says so instead of failing every check

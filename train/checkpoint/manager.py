@@ -147,14 +147,14 @@ class CheckpointManager:
             with self.waiting("waiting for the checkpoint being written"):
                 self.background.wait()
         if self.uploads is not None and self.uploads.busy:
+            if not self.uploads.pending.done():  # a wait that may be long (a slow or stalled store) is said
+                log.info("waiting for the upload to %s to finish", self.store.url)
             with self.waiting(f"waiting for the upload to {self.store.url}"):
                 self.uploads.wait()
 
     def close(self) -> None:
         """Finish what is in flight. A run whose newest checkpoint did not reach the store ends with an error that
         says so (its disk holds it; the next start uploads it)."""
-        if self.uploads is not None and self.uploads.busy:
-            log.info("waiting for the upload to %s to finish", self.store.url)
         self.wait()
         if self.background is not None:
             self.background.close()

@@ -159,10 +159,22 @@ class Store:
                         raise OSError(f"{source / relative} changed on the local disk after it was committed "
                                       f"(sha256 {digest.hexdigest()[:12]}..., committed {expected['sha256'][:12]}...)")
                 except BaseException:
-                    with contextlib.suppress(Exception):
-                        sink.discard()  # a multipart upload is aborted, not completed with what was sent
+                    self._abandon(sink, self._key(name, relative))
                     raise
                 sink.close()
+
+    def _abandon(self, sink, key: str) -> None:
+        """An object whose upload failed is not completed with what was sent: a buffered (multipart) upload is
+        aborted, a local file removed. Either way no record names it."""
+        from fsspec.spec import AbstractBufferedFile
+
+        with contextlib.suppress(Exception):
+            if isinstance(sink, AbstractBufferedFile):
+                sink.discard()
+                sink.closed = True  # closing it would complete the upload
+            else:
+                sink.close()
+                self.fs.rm_file(key)
 
     def commit(self, record: Record) -> None:
         """The commit point: one small object, which appears whole or not at all."""

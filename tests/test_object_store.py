@@ -1,0 +1,280 @@
+"""Checkpoints in an object store (checkpoint.store, train/checkpoint/store.py) against a real S3 server: moto's
+server mode on a loopback address, spoken to over HTTP by s3fs, with its credentials and endpoint in the
+environment as a user's would be. Faults come from outside: the server stopped (SIGSTOP) and resumed, the uploading
+rank killed, an object deleted by hand; the identity after each: resume from the store alone ends bitwise where the
+uninterrupted run does, and the previous checkpoint is never lost."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import IDENTITY, final_checkpoint, kill_leftovers, process_named, run_cli, wait_for
+
+from train.checkpoint import committed
+from train.checkpoint.store import SET_ASIDE, Record, Store, StoreDamaged
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server for this module's tests: {"env": what a rank needs to reach it, "process": the server}."""
+    host = "127.0.0.5"
+    port = free_port(host)
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
+    server = subprocess.Popen([shutil.which("moto_server") or "moto_server", "-H", host, "-p", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+
+    def answers() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex((host, port)) == 0
+
+    wait_for(answers, timeout=60, what="the moto S3 server to listen")
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # this process's own Store() reads the same environment
+    try:
+        yield {"env": env, "process": server}
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        os.kill(server.pid, signal.SIGCONT)
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture
+def bucket(s3) -> str:
+    """A fresh bucket: s3://NAME."""
+    import boto3
+
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3["env"]["AWS_ENDPOINT_URL"]).create_bucket(Bucket=name)
+    return f"s3://{name}"
+
+
+def train(tmp_path: Path, run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = run_cli("launcher", *IDENTITY, "checkpoint.every_steps=8", *overrides, f"hydra.run.dir={run_dir}",
+                   cwd=tmp_path, env=env)
+    return proc
+
+
+def same_model(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- the store itself ------------------------------------------------------------------------------------------
+
+def test_a_checkpoint_counts_once_its_record_is_written_and_downloads_only_whole(bucket, tmp_path):
+    store = Store(f"{bucket}/run")
+    source = tmp_path / "ckpt"
+    source.mkdir()
+    (source / "a.bin").write_bytes(b"a" * 1000)
+    (source / "b.bin").write_bytes(b"b" * 10)
+    import hashlib
+
+    files = {n: {"size": (source / n).stat().st_size, "sha256": hashlib.sha256((source / n).read_bytes()).hexdigest()}
+             for n in ("a.bin", "b.bin")}
+    store.upload(source, "step_00000001", files)
+    assert store.committed() == []  # every object is there, but no record: not a checkpoint
+    record = Record("step_00000001", 0, 1, "dcp", files)
+    store.commit(record)
+    assert store.committed() == [record]
+    store.download(record, tmp_path / "back")
+    assert (tmp_path / "back" / "a.bin").read_bytes() == b"a" * 1000
+
+    store.fs.pipe_file(store._key("step_00000001", "b.bin"), b"c" * 10)  # changed behind the record's back
+    with pytest.raises(StoreDamaged, match="not what was committed"):
+        store.download(record, tmp_path / "again")
+    store.fs.rm_file(store._key("step_00000001", "a.bin"))
+    with pytest.raises(StoreDamaged, match="missing"):
+        store.download(record, tmp_path / "again")
+
+    (source / "a.bin").write_bytes(b"x" * 1000)  # the local file changed after its commit: never uploaded as it
+    with pytest.raises(OSError, match="changed on the local disk"):
+        store.upload(source, "step_00000002", files)
+
+
+def test_prune_keeps_the_last_commits_and_removes_an_upload_that_never_committed(bucket, tmp_path):
+    store = Store(f"{bucket}/run")
+    (tmp_path / "f").write_bytes(b"1")
+    import hashlib
+
+    files = {"f": {"size": 1, "sha256": hashlib.sha256(b"1").hexdigest()}}
+    store.upload(tmp_path, "step_00000005", files)  # a crash before its record: an orphan
+    for commit, step in enumerate((10, 20, 30)):
+        store.upload(tmp_path, f"step_{step:08d}", files)
+        store.commit(Record(f"step_{step:08d}", commit, step, "dcp", files))
+    store.prune(keep_last=2)
+    assert [r.step for r in store.committed()] == [20, 30]
+    store.fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(store.root)) == ["step_00000020", "step_00000030"]
+
+
+# --- the checks before start -----------------------------------------------------------------------------------
+
+def test_a_store_url_is_checked_before_any_process_starts(launch, bucket, tmp_path):
+    missing = launch("checkpoint.store=s3://no-such-bucket-here/run", "launcher.dry_run=true")
+    assert missing.returncode != 0
+    assert "checkpoint.store=s3://no-such-bucket-here/run: the bucket no-such-bucket-here does not exist" in missing.stderr
+
+    secret = launch("checkpoint.store=s3://AKIA:hunter2@bucket/run", "launcher.dry_run=true")
+    assert secret.returncode != 0 and "the URL holds credentials" in secret.stderr
+    assert "hunter2" not in secret.stderr + secret.stdout
+
+    unknown = launch("checkpoint.store=nosuch://bucket/run", "launcher.dry_run=true")
+    assert unknown.returncode != 0 and "checkpoint.store=nosuch://bucket/run: Protocol not known" in unknown.stderr
+
+    store = Store(f"{bucket}/run")
+    store.commit(Record("step_00000008.pt", 0, 8, "file", {}))
+    fresh = launch(f"checkpoint.store={bucket}/run", "checkpoint.resume=false", "launcher.dry_run=true")
+    assert fresh.returncode != 0
+    assert f"checkpoint.resume=false, but checkpoint.store={bucket}/run already holds 1 checkpoint(s)" in fresh.stderr
+
+
+# --- whole runs --------------------------------------------------------------------------------------------------
+
+def test_a_fresh_machine_resumes_from_the_store_alone_bitwise(bucket, tmp_path, one_process_batch_32):
+    """The first run stops at step 16; its run directory is gone (another machine); the same command with the
+    run's own length resumes from the store and ends where the uninterrupted run does. Export reads the store."""
+    url, run_dir = f"{bucket}/digits", tmp_path / "run"
+    one = ["trainer.procs_per_node=1", "data.batch_size=32", f"checkpoint.store={url}"]
+    assert train(tmp_path, run_dir, *one, "trainer.max_steps=16").returncode == 0
+    assert [r.step for r in Store(url).committed()] == [8, 16]
+    shutil.rmtree(run_dir)
+
+    resumed = train(tmp_path, run_dir, *one)
+    assert resumed.returncode == 0
+    assert f"resume from the newest loadable checkpoint (step_00000016.pt in {url})" in resumed.stdout
+    assert "resuming from" in resumed.stderr and "(step 16)" in resumed.stderr
+    assert same_model(final_checkpoint(run_dir)["model"], one_process_batch_32["model"])
+    assert [r.step for r in Store(url).committed()] == [8, 16, 24]
+
+    status = run_cli("launcher.jobs", "status", str(run_dir), cwd=tmp_path)
+    assert "step 24 (store: step 24)" in status.stdout
+    exported = run_cli("launcher.export", url, "--out", str(tmp_path / "model.pt"), cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    assert same_model(torch.load(tmp_path / "model.pt", weights_only=True), one_process_batch_32["model"])
+
+
+def test_sharded_checkpoints_go_to_the_store_from_every_rank(bucket, tmp_path, two_process_ddp):
+    """format=dcp on 2 ranks: each rank uploads the shards it wrote; a fresh machine resumes bitwise."""
+    url, run_dir = f"{bucket}/sharded", tmp_path / "run"
+    two = ["trainer.procs_per_node=2", "data.batch_size=16", "checkpoint.format=dcp", f"checkpoint.store={url}"]
+    assert train(tmp_path, run_dir, *two, "trainer.max_steps=16").returncode == 0
+    newest = Store(url).committed()[-1]
+    assert newest.step == 16 and {"__0_0.distcp", "__1_0.distcp", "rank_00001.pt", "manifest.json"} <= set(newest.files)
+    shutil.rmtree(run_dir)
+    assert train(tmp_path, run_dir, *two).returncode == 0
+    assert same_model(final_checkpoint(run_dir)["model"], final_checkpoint(two_process_ddp)["model"])
+
+
+def test_an_object_deleted_by_hand_sets_that_checkpoint_aside_and_the_previous_resumes(bucket, tmp_path,
+                                                                                      one_process_batch_32):
+    url, run_dir = f"{bucket}/deleted", tmp_path / "run"
+    one = ["trainer.procs_per_node=1", "data.batch_size=32", f"checkpoint.store={url}"]
+    assert train(tmp_path, run_dir, *one, "trainer.max_steps=16").returncode == 0
+    store = Store(url)
+    store.fs.rm_file(store._key("step_00000016.pt", "step_00000016.pt"))  # an operator's mistake
+    shutil.rmtree(run_dir)
+
+    resumed = train(tmp_path, run_dir, *one)
+    assert resumed.returncode == 0
+    assert f"{url}/step_00000016.pt does not load" in resumed.stderr and "is missing from the store" in resumed.stderr
+    assert "(step 8)" in resumed.stderr
+    assert same_model(final_checkpoint(run_dir)["model"], one_process_batch_32["model"])
+    assert store.fs.exists(store._key("step_00000016.pt", SET_ASIDE))  # kept for inspection, no longer committed
+    assert [r.step for r in store.committed()] == [8, 16, 24]  # step 16 written again, whole
+
+
+@contextlib.contextmanager
+def stalled_upload(s3, store: Store, run_dir: Path, tmp_path: Path, *overrides: str):
+    """A run whose store stops answering (SIGSTOP to the server) once the upload of step 8 has ended (the run's
+    config.yaml beside it is that upload's last object): step 16 is committed on the disk and its upload hangs, and
+    the save of step 24 waits for it. Yields (the launcher's process, its stderr file, a function that resumes the
+    server) at that moment; the server is resumed (SIGCONT) on the way out in any case."""
+    command = [sys.executable, "-m", "launcher", *IDENTITY, "checkpoint.every_steps=8", "trainer.procs_per_node=1",
+               "data.batch_size=32", f"checkpoint.store={store.url}", *overrides, f"hydra.run.dir={run_dir}"]
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err_file, subprocess.Popen(
+            command, cwd=tmp_path, env={**os.environ, "STEP_DELAY_MS": "50",
+                                        "PYTHONPATH": str(Path(__file__).parent / "faults")},
+            stdout=subprocess.PIPE, stderr=err_file, text=True) as proc:
+        try:
+            wait_for(lambda: store.fs.exists(store._key("config.yaml")), timeout=120, what="step 8's upload")
+            os.kill(s3["process"].pid, signal.SIGSTOP)
+            try:
+                wait_for(lambda: "waiting for the upload to" in err_path.read_text(), timeout=120,
+                         what="the save of step 24 to wait for the upload of step 16")
+                assert [c.step for c in committed(run_dir / "checkpoints")][-1] == 16
+                yield proc, err_path, lambda: os.kill(s3["process"].pid, signal.SIGCONT)
+            finally:
+                os.kill(s3["process"].pid, signal.SIGCONT)
+        finally:
+            kill_leftovers(proc, run_dir)
+
+
+def test_the_uploading_rank_killed_while_the_server_is_stopped_loses_nothing(s3, bucket, tmp_path,
+                                                                             one_process_batch_32):
+    """The rank is killed by its name while the upload of step 16 hangs on a stopped server. The store still holds
+    step 8 as its newest, whole; resumed from the store alone on a fresh machine, the run ends where the
+    uninterrupted one does."""
+    url, run_dir = f"{bucket}/killed", tmp_path / "run"
+    store = Store(url)
+    with stalled_upload(s3, store, run_dir, tmp_path) as (proc, err_path, _):
+        os.kill(process_named("train rank 0", proc.pid), signal.SIGKILL)
+        proc.communicate(timeout=120)
+    print(err_path.read_text())
+    assert proc.returncode != 0
+    assert [r.step for r in store.committed()] == [8]  # whatever of step 16 arrived is not a checkpoint
+    shutil.rmtree(run_dir)
+
+    one = ["trainer.procs_per_node=1", "data.batch_size=32", f"checkpoint.store={url}"]
+    resumed = train(tmp_path, run_dir, *one)
+    assert resumed.returncode == 0 and "(step 8)" in resumed.stderr
+    assert same_model(final_checkpoint(run_dir)["model"], one_process_batch_32["model"])
+    assert [r.step for r in store.committed()] == [8, 16, 24]
+
+
+def test_a_stop_during_a_stalled_upload_waits_for_it_and_commits_it_when_the_server_resumes(s3, bucket, tmp_path):
+    """The run is stopped (SIGTERM to the launcher) while its save waits for an upload that hangs. Once the server
+    resumes the uploads finish, the stop's checkpoint is committed in the store, and the store's bytes are the
+    disk's."""
+    url, run_dir = f"{bucket}/paused", tmp_path / "run"
+    store = Store(url)
+    quick_stop = ["trainer.max_steps=48", "trainer.stop_check_s=0.01"]  # a check every step: the stop lands before 48
+    with stalled_upload(s3, store, run_dir, tmp_path, *quick_stop) as (proc, err_path, resume_server):
+        proc.send_signal(signal.SIGTERM)
+        resume_server()
+        out, _ = proc.communicate(timeout=300)
+    print(out, err_path.read_text())
+    assert proc.returncode == 128 + signal.SIGTERM
+    local = {c.step: c.path for c in committed(run_dir / "checkpoints")}
+    stopped = max(local)
+    assert 24 <= stopped < 48 and f"stopped at step {stopped}" in out
+    records = store.committed()
+    assert records[-1].step == stopped and 16 in [r.step for r in records]
+    from train.checkpoint.file import read_sidecar
+
+    for record in records:  # the store's bytes are the disk's
+        assert record.files[local[record.step].name]["sha256"] == read_sidecar(local[record.step])[0]
