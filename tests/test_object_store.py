@@ -134,7 +134,9 @@ def test_prune_keeps_the_last_commits_and_removes_an_upload_that_never_committed
 # --- the checks before start -----------------------------------------------------------------------------------
 
 def test_a_store_url_is_checked_before_any_process_starts(launch, bucket, tmp_path):
-    missing = launch("checkpoint.store=s3://no-such-bucket-here/run", "launcher.dry_run=true")
+    """Refused before start, each with the key and the fix; the URL's form even in a dry run, which does not ask
+    the store (as it asks no cluster)."""
+    missing = launch("checkpoint.store=s3://no-such-bucket-here/run")
     assert missing.returncode != 0
     assert "checkpoint.store=s3://no-such-bucket-here/run: the bucket no-such-bucket-here does not exist" in missing.stderr
 
@@ -147,9 +149,13 @@ def test_a_store_url_is_checked_before_any_process_starts(launch, bucket, tmp_pa
 
     store = Store(f"{bucket}/run")
     store.commit(Record("step_00000008.pt", 0, 8, "file", {}))
-    fresh = launch(f"checkpoint.store={bucket}/run", "checkpoint.resume=false", "launcher.dry_run=true")
+    fresh = launch(f"checkpoint.store={bucket}/run", "checkpoint.resume=false")
     assert fresh.returncode != 0
     assert f"checkpoint.resume=false, but checkpoint.store={bucket}/run already holds 1 checkpoint(s)" in fresh.stderr
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("metrics.jsonl"))  # nothing ran
+
+    planned = launch(f"checkpoint.store={bucket}/run", "checkpoint.resume=false", "launcher.dry_run=true")
+    assert planned.returncode == 0 and f"dry run: checkpoint.store={bucket}/run was not asked" in planned.stderr
 
 
 # --- whole runs --------------------------------------------------------------------------------------------------

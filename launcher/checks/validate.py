@@ -297,7 +297,7 @@ def _check_files(cfg: Config, run_dir: Path, problems: list[str]) -> None:
             print(f"dry run: {error}\ndry run: planned with a stand-in of the same shape and size, {found[1]}; the run "
                   f"itself needs the files.", file=sys.stderr)
     _check_checkpoint_dir(checkpoint_dir(run_dir), problems)
-    stored = _check_store(cfg.checkpoint.store, problems)
+    stored = _check_store(cfg.checkpoint.store, problems, ask=not cfg.launcher.dry_run)
     if not cfg.checkpoint.resume:
         try:
             refuse_fresh_start_over(run_dir, stored, cfg.checkpoint.store)
@@ -320,10 +320,11 @@ def _check_checkpoint_dir(directory: Path, problems: list[str]) -> None:
                         f"start the run in another directory (hydra.run.dir=...).")
 
 
-def _check_store(url: str, problems: list[str]) -> list | None:
+def _check_store(url: str, problems: list[str], ask: bool = True) -> list | None:
     """checkpoint.store: a URL whose file system is installed, without credentials in it (they would be written
-    into config.yaml and every log), and that lists with the environment's credentials. Its committed checkpoints
-    (None without a store, or when it cannot be listed)."""
+    into config.yaml and every log), and (`ask`: not in a dry run, which plans without the cluster's services) that
+    lists with the environment's credentials. Its committed checkpoints (None without a store, or when it cannot be
+    listed)."""
     if not url:
         return None
     from urllib.parse import urlsplit
@@ -344,12 +345,18 @@ def _check_store(url: str, problems: list[str]) -> list | None:
         problems.append(f"checkpoint.store={url}: {error}; give an fsspec URL such as s3://bucket/prefix, gs://..., "
                         f"az://... or file:///path.")
         return None
+    if not ask:
+        print(f"dry run: checkpoint.store={url} was not asked (the run lists it before it starts)", file=sys.stderr)
+        return None
     try:
         bucket = store.root.split("/", 1)[0]
-        if store.fs.protocol not in ("file", "local", ("file", "local")) and not store.fs.exists(bucket):
-            problems.append(f"checkpoint.store={url}: the bucket {bucket} does not exist (or these credentials may not "
-                            f"see it): create it, or name one that does.")
-            return None
+        if store.fs.protocol not in ("file", "local", ("file", "local")):
+            try:
+                store.fs.info(bucket)
+            except FileNotFoundError:
+                problems.append(f"checkpoint.store={url}: the bucket {bucket} does not exist (or these credentials "
+                                f"may not see it): create it, or name one that does.")
+                return None
         return store.committed()
     except Exception as error:  # noqa: BLE001 (botocore's and every fsspec backend's errors differ)
         problems.append(f"checkpoint.store={url} cannot be listed: {type(error).__name__}: {error}. Check the "

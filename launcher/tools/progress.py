@@ -14,8 +14,7 @@ from rich.table import Table
 
 from launcher.backends.base import lease_holder_alive
 from launcher.run_dir.lease import read_lease
-from train.checkpoint import checkpoint_dir, committed
-from train.config import CONFIG_FILE
+from train.contract import CONFIG_FILE
 from train.observe.metrics import read_records
 from train.observe.status import read_status
 
@@ -80,15 +79,19 @@ def run_progress(run_dir: Path, now: float | None = None) -> dict:
 
 def saved(run_dir: Path) -> str | None:
     """The step of the newest committed checkpoint, on the disk and, with checkpoint.store, in the store (what a
-    start on a fresh machine resumes from)."""
-    found = committed(checkpoint_dir(run_dir))
-    text = f"step {found[-1].step}" if found else None
-    config = run_dir / CONFIG_FILE
-    url = ""
+    start on a fresh machine resumes from). Imported here: the catalogue brings torch (~1.5 s of CPU), which only a
+    run with checkpoints pays, once per status call."""
+    config, url = run_dir / CONFIG_FILE, ""
     if config.exists():
         from omegaconf import OmegaConf
 
         url = OmegaConf.select(OmegaConf.load(config), "checkpoint.store") or ""
+    if not (run_dir / "checkpoints").is_dir() and not url:
+        return None
+    from train.checkpoint import checkpoint_dir, committed
+
+    found = committed(checkpoint_dir(run_dir))
+    text = f"step {found[-1].step}" if found else None
     if url:
         from launcher.tools.summary import stored_checkpoints
 
