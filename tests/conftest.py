@@ -7,11 +7,14 @@ import fcntl
 import functools
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -360,3 +363,55 @@ def one_process_batch_32(tmp_path_factory) -> dict:
 def two_process_ddp(tmp_path_factory) -> Path:
     """The run directory of IDENTITY under DDP on 2 processes with batch 16 each (global batch 32)."""
     return _reference_run(tmp_path_factory, "ddp", "trainer.procs_per_node=2", "data.batch_size=16")
+
+
+# --- an S3 server (tests/test_object_store.py; checkpoint.store from other backends' tests) -----------------------
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server for this module's tests: {"env": what a rank needs to reach it, "process": the server}."""
+    host = "127.0.0.5"
+    port = free_port(host)
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
+    server = subprocess.Popen([shutil.which("moto_server") or "moto_server", "-H", host, "-p", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+
+    def answers() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex((host, port)) == 0
+
+    wait_for(answers, timeout=60, what="the moto S3 server to listen")
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # this process's own Store() reads the same environment
+    try:
+        yield {"env": env, "process": server}
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        os.kill(server.pid, signal.SIGCONT)
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture
+def bucket(s3) -> str:
+    """A fresh bucket: s3://NAME."""
+    import boto3
+
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3["env"]["AWS_ENDPOINT_URL"]).create_bucket(Bucket=name)
+    return f"s3://{name}"

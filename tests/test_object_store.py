@@ -13,65 +13,16 @@ import signal
 import socket
 import subprocess
 import sys
-import uuid
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import IDENTITY, final_checkpoint, kill_leftovers, process_named, run_cli, wait_for
+from conftest import CREDENTIALS, IDENTITY, final_checkpoint, free_port, kill_leftovers, process_named, run_cli, wait_for
 
 from train.checkpoint import committed
 from train.checkpoint.store import SET_ASIDE, Record, Store, StoreDamaged
-
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A moto S3 server for this module's tests: {"env": what a rank needs to reach it, "process": the server}."""
-    host = "127.0.0.5"
-    port = free_port(host)
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
-    server = subprocess.Popen([shutil.which("moto_server") or "moto_server", "-H", host, "-p", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT)
-    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
-
-    def answers() -> bool:
-        with socket.socket() as s:
-            return s.connect_ex((host, port)) == 0
-
-    wait_for(answers, timeout=60, what="the moto S3 server to listen")
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # this process's own Store() reads the same environment
-    try:
-        yield {"env": env, "process": server}
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        os.kill(server.pid, signal.SIGCONT)
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
-
-
-@pytest.fixture
-def bucket(s3) -> str:
-    """A fresh bucket: s3://NAME."""
-    import boto3
-
-    name = f"ckpt-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3["env"]["AWS_ENDPOINT_URL"]).create_bucket(Bucket=name)
-    return f"s3://{name}"
-
 
 def train(tmp_path: Path, run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
     proc = run_cli("launcher", *IDENTITY, "checkpoint.every_steps=8", *overrides, f"hydra.run.dir={run_dir}",
@@ -156,6 +107,22 @@ def test_a_store_url_is_checked_before_any_process_starts(launch, bucket, tmp_pa
 
     planned = launch(f"checkpoint.store={bucket}/run", "checkpoint.resume=false", "launcher.dry_run=true")
     assert planned.returncode == 0 and f"dry run: checkpoint.store={bucket}/run was not asked" in planned.stderr
+
+
+def test_a_rank_that_cannot_reach_the_store_stops_with_what_to_give_it(tmp_path, monkeypatch):
+    """A node without the store's credentials or route (the launcher's machine had them): the rank's first listing
+    says what the ranks need, instead of a traceback of botocore's."""
+    from train.checkpoint.file import CheckpointSaveError
+    from train.checkpoint.manager import CheckpointManager
+    from train.config import CheckpointConfig
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.5:{free_port('127.0.0.5')}")  # nothing listens there
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(CheckpointSaveError, match="cannot be listed from .*EndpointConnectionError.*give them to the "
+                                                  "nodes that run the ranks"):
+        CheckpointManager(tmp_path / "checkpoints", CheckpointConfig(store="s3://bucket/run"), is_writer=True)
 
 
 # --- whole runs --------------------------------------------------------------------------------------------------
@@ -283,4 +250,66 @@ def test_a_stop_during_a_stalled_upload_waits_for_it_and_commits_it_when_the_ser
     from train.checkpoint.file import read_sidecar
 
     for record in records:  # the store's bytes are the disk's
+        assert record.files[local[record.step].name]["sha256"] == read_sidecar(local[record.step])[0]
+
+
+class Throttle:
+    """A TCP proxy in front of the S3 server that passes each direction on at about `bytes_per_s` (a slow network
+    or a throttled endpoint, as the client sees it): `url` is its endpoint."""
+
+    def __init__(self, upstream: str, bytes_per_s: int):
+        from urllib.parse import urlsplit
+
+        target = urlsplit(upstream)
+        self.target, self.bytes_per_s = (target.hostname, target.port), bytes_per_s
+        self.listener = socket.create_server(("127.0.0.7", 0))
+        self.url = f"http://127.0.0.7:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        chunk = 4096
+        try:
+            while data := source.recv(chunk):
+                time.sleep(len(data) / self.bytes_per_s)  # the link's pace, not a wait for an event
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_throttled_store_slows_the_saves_to_its_pace_and_every_commit_is_whole(s3, bucket, tmp_path):
+    """Uploads through a link of ~100 kB/s take longer than the steps between saves: each save waits for the upload
+    before it (saying so), the store never falls more than one checkpoint behind, and every commit there holds the
+    disk's bytes."""
+    throttle = Throttle(s3["env"]["AWS_ENDPOINT_URL"], 100_000)
+    url, run_dir = f"{bucket}/throttled", tmp_path / "run"
+    try:
+        proc = train(tmp_path, run_dir, "trainer.procs_per_node=1", "data.batch_size=32", f"checkpoint.store={url}",
+                     env={"AWS_ENDPOINT_URL": throttle.url})
+    finally:
+        throttle.close()
+    assert proc.returncode == 0
+    assert "waiting for the upload to" in proc.stderr
+    records = Store(url).committed()
+    assert [r.step for r in records] == [8, 16, 24]
+    local = {c.step: c.path for c in committed(run_dir / "checkpoints")}
+    from train.checkpoint.file import read_sidecar
+
+    for record in records:
         assert record.files[local[record.step].name]["sha256"] == read_sidecar(local[record.step])[0]

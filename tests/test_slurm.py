@@ -95,12 +95,15 @@ def cluster_report(job_ids: list[str], logs_under: Path) -> str:
     return "\n".join(parts)
 
 
-def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(cluster, launch, tmp_path):
+def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(cluster, launch, tmp_path, bucket):
+    """... and keeps its sharded checkpoints in an S3 store as well (checkpoint.store): the rank of each node
+    uploads the shard it wrote, with the credentials of the submitting shell's environment."""
     run_dir = tmp_path / "run"
     # Submitted from a shell that holds stale env:// values (say, inside torchrun): they must not reach the job.
     stale = {"MASTER_ADDR": "stale-host", "MASTER_PORT": "1", "RANK": "5", "WORLD_SIZE": "9"}
     derived_threads = [o for o in JOB if o != "trainer.threads=1"]  # threads from what SLURM gives each task
-    proc = launch(*derived_threads, f"hydra.run.dir={run_dir}", env=stale)
+    store = ["checkpoint.format=dcp", f"checkpoint.store={bucket}/two-nodes"]
+    proc = launch(*derived_threads, *store, f"hydra.run.dir={run_dir}", env=stale)
     assert proc.returncode == 0
     job_id = submitted_job_id(proc.stdout)
     assert state(job_id) != "COMPLETED"  # the command returned before the ~20 s job could finish
@@ -114,6 +117,10 @@ def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(clu
     assert final_checkpoint(run_dir)["step"] == plan["total_steps"]
     assert [r for r in read_metrics(run_dir) if r["kind"] == "eval"][-1]["acc"] > 0.5  # it learned (chance: 0.1)
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    from train.checkpoint.store import Store
+
+    newest = Store(f"{bucket}/two-nodes").committed()[-1]
+    assert newest.step == plan["total_steps"] and {"__0_0.distcp", "__1_0.distcp"} <= set(newest.files)
 
     status = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(run_dir)], capture_output=True, text=True)
     assert f"{job_id} COMPLETED" in " ".join(status.stdout.split())

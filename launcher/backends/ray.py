@@ -30,6 +30,10 @@ UPLOAD_LIMIT_BYTES = 512 * 1024 * 1024  # Ray's limit on an uploaded package (it
 ALWAYS_EXCLUDED = (".git", ".venv", "venv", "__pycache__", "runs", "multirun", "outputs", ".ray")
 # The launching shell's settings that the job's processes need as well (the cluster has an environment of its own).
 PASSED_ENV = ("NCCL_", "GLOO_", "TORCH_", "WANDB_", "MLFLOW_", "HF_")
+# checkpoint.store's endpoint and region, not its keys: Ray keeps a job's variables in its job list, where anyone
+# who may list jobs reads them. The cluster's nodes reach the store with credentials of their own (an instance role,
+# a profile or variables set where the cluster starts).
+PASSED_STORE_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE")
 
 
 def ray_address(cfg: Config) -> str:
@@ -189,7 +193,7 @@ class Ray(SubmittingBackend):
         """Submit one job and return at once (or, with launcher.wait=true, when it ends)."""
         address, root = ray_address(cfg), Path.cwd()
         job_id = f"ddp-{cfg.name}-{uuid.uuid4().hex[:8]}"
-        env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV)}
+        env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV) or k in PASSED_STORE_ENV}
         env.update({
             "RAY_DEDUP_LOGS": "0",
             "LAUNCHER_RAY_JOB": job_id, "LAUNCHER_RAY_ADDRESS": address,  # the job's lease: who it is, who answers

@@ -16,6 +16,7 @@ import logging
 import os
 import pickle
 import shutil
+import socket
 from pathlib import Path
 
 import torch.distributed as dist
@@ -94,8 +95,20 @@ class CheckpointManager:
 
     def _newest_commit(self) -> int:
         """The highest commit number on the disk and in the store: a new commit is numbered above both."""
-        stored = self.store.committed() if self.store is not None else []
+        stored = self._stored() if self.store is not None else []
         return max((c.commit for c in [*self.committed(), *stored]), default=LEGACY)
+
+    def _stored(self) -> list[Record]:
+        """The store's commits; a store this process cannot list stops the run with what to fix (before training:
+        the writer lists it at start)."""
+        try:
+            return self.store.committed()
+        except Exception as error:  # noqa: BLE001 (botocore's and every fsspec backend's errors differ)
+            raise CheckpointSaveError(
+                f"checkpoint.store={self.store.url} cannot be listed from {socket.gethostname()}: "
+                f"{type(error).__name__}: {error}. The ranks reach the store with their own environment's credentials "
+                f"(for S3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or the node's instance role; "
+                f"AWS_ENDPOINT_URL for another S3 server): give them to the nodes that run the ranks.") from error
 
     @contextlib.contextmanager
     def waiting(self, what: str):
@@ -388,7 +401,7 @@ class CheckpointManager:
         """(name, in the store only) of every committed checkpoint of the disk and the store, newest commit first:
         the store's copy where it is newer than the disk's (or the disk has none, as on a fresh machine)."""
         newest = {c.path.name: (c.commit, False) for c in self.committed()}
-        for record in self.store.committed() if self.store is not None else []:
+        for record in self._stored() if self.store is not None else []:
             if record.name not in newest or record.commit > newest[record.name][0]:
                 newest[record.name] = (record.commit, True)
         ordered = sorted(newest.items(), key=lambda item: item[1][0], reverse=True)

@@ -65,8 +65,10 @@ def open_store(url: str):
     from fsspec.core import split_protocol
 
     local = split_protocol(url)[0] in (None, "file", "local")
-    # A local file system, unlike an object store, needs a file's folders made before the file
-    return fsspec.core.url_to_fs(url.rstrip("/"), **({"auto_mkdir": True} if local else {}))
+    # A local file system, unlike an object store, needs a file's folders made before the file. An object store's
+    # client is made anew, not taken from fsspec's cache: that one may hold another endpoint or credentials (its
+    # key is the arguments, and these come from the environment).
+    return fsspec.core.url_to_fs(url.rstrip("/"), **({"auto_mkdir": True} if local else {"skip_instance_cache": True}))
 
 
 class Store:
