@@ -235,7 +235,10 @@ def fit(run: Run) -> Outcome:
             write_status(run.run_dir, "stopped", step=progress.step, **signalled)
         return Outcome("stopped", progress.step, result, signal=stop.signal_name)
     if says_end:
-        write_status(run.run_dir, "finished", step=progress.step, **{f"eval_{k}": v for k, v in result.items()})
+        # the monitored metric's name, direction and best value: what a study's trial is scored by (hydra/sweeper=optuna)
+        name, mode = monitored(run)
+        write_status(run.run_dir, "finished", step=progress.step, **{f"eval_{k}": v for k, v in result.items()},
+                     monitor=name, mode=mode, **({"best": progress.best_metric} if progress.best_metric is not None else {}))
     if not result:
         console.print(f"nothing to do: the run already reached step {progress.step} of {plan.stop_step}")
         return Outcome("complete", progress.step, result)

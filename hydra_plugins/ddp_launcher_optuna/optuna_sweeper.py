@@ -1,0 +1,223 @@
+"""`hydra/sweeper=optuna`: a hyperparameter study over current Optuna, each trial a run of this launcher.
+
+    python -m launcher -m hydra/sweeper=optuna hydra.sweeper.n_trials=8 \
+        'optim.lr=tag(log, interval(0.01, 0.5))' 'data.batch_size=choice(16, 32, 64)'
+
+The search space is written as Hydra's own optuna plugin (hydra-optuna-sweeper) writes it: `choice(...)` and
+`range(...)` are categorical, `interval(a, b)` is uniform (an int interval when both ends are ints), `tag(log, ...)`
+makes an interval log-uniform. Other arguments are fixed for every trial. That plugin pins optuna < 3 (2021; its
+SQLite storage fails under SQLAlchemy 2), so this one is written on Hydra's `Sweeper` interface over current Optuna.
+
+Each trial is launched as a point of a sweep is (its own run directory under the sweep directory, named by its
+overrides, held by a lease) and scored by what the run wrote in its status.json at its end: the best value of its
+monitored metric (`checkpoint.monitor`, the task's main metric by default) in the direction of `checkpoint.mode` (the
+task's). The study is kept in the sweep directory (Optuna's journal file, `study.journal`): the same command run
+again continues it: finished trials count, a trial the sweeper was killed during is asked again with the same
+values (the same run directory: it resumes from its checkpoint), and the sampler sees the whole history. At the end
+the best trial, its values and the command that reruns it are printed and written (`best_trial.yaml`), beside the
+optimisation history and the parameters' importances as PNG files.
+
+Trials run one after another on this machine's backend (launcher=local); a backend that submits and returns
+(SLURM, Ray) needs launcher.wait=true for its trials to be scored.
+"""
+
+
+import math
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep
+from hydra.plugins.sweeper import Sweeper
+from omegaconf import DictConfig, OmegaConf
+
+
+STUDY_FILE = "study.journal"
+BEST_FILE = "best_trial.yaml"
+STATUS_FILE = "status.json"
+
+
+@dataclass
+class OptunaSweeperConf:
+    _target_: str = "hydra_plugins.ddp_launcher_optuna.optuna_sweeper.OptunaSweeper"
+    n_trials: int = 8  # trials that end with a score (a failed trial is recorded and does not count)
+    sampler: str = "tpe"  # tpe | random
+    seed: int | None = None  # the sampler's seed: the same seed asks the same values in the same order
+    direction: str = "auto"  # maximize | minimize | auto: the run's checkpoint.mode (or its task's)
+    study_name: str = "study"
+    params: dict[str, str] = field(default_factory=dict)  # the search space in the config: {key: "interval(0, 1)"}
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="optuna", node=OptunaSweeperConf, provider="ddp-launcher")
+
+
+def distribution(override: Override):
+    """The Optuna distribution of a sweep override (the search-space syntax of hydra-optuna-sweeper)."""
+    import optuna
+
+    value = override.value()
+    if isinstance(value, ChoiceSweep):
+        return optuna.distributions.CategoricalDistribution([_plain(v) for v in value.list])
+    if isinstance(value, RangeSweep):
+        return optuna.distributions.CategoricalDistribution(list(override.sweep_iterator()))
+    if isinstance(value, IntervalSweep):
+        log_scale = "log" in value.tags
+        if isinstance(value.start, int) and isinstance(value.end, int):
+            return optuna.distributions.IntDistribution(value.start, value.end, log=log_scale)
+        return optuna.distributions.FloatDistribution(value.start, value.end, log=log_scale)
+    raise ValueError(f"{override.input_line}: a study samples choice(...), range(...) or interval(a, b) (with "
+                     f"tag(log, interval(a, b)) for a log scale); a glob or a list is a grid's (hydra/sweeper=basic)")
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+
+
+def search_space(arguments: list[str], params: dict[str, str]) -> tuple[dict, list[str]]:
+    """({key: distribution}, the fixed overrides) of the command line's arguments and hydra.sweeper.params."""
+    parser = OverridesParser.create()
+    overrides = parser.parse_overrides([f"{k}={v}" for k, v in params.items()]) + parser.parse_overrides(arguments)
+    space, fixed = {}, []
+    for override in overrides:
+        if override.is_sweep_override():
+            space[override.get_key_element()] = distribution(override)
+        else:
+            fixed.append(override.input_line)
+    return space, fixed
+
+
+def direction_of(config: DictConfig) -> str:
+    """maximize | minimize: checkpoint.mode, or the task's own mode (a class attribute of task._target_)."""
+    from hydra.utils import get_class
+
+    mode = OmegaConf.select(config, "checkpoint.mode") or ""
+    if not mode and (target := OmegaConf.select(config, "task._target_")):
+        mode = getattr(get_class(target), "mode", "min")
+    return "maximize" if mode == "max" else "minimize"
+
+
+def score(run_dir: Path) -> float | None:
+    """The best value of the monitored metric that the run wrote at its end; None if it did not finish."""
+    import json
+
+    try:
+        status = json.loads((run_dir / STATUS_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    value = status.get("best")
+    if status.get("status") != "finished" or value is None or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+class OptunaSweeper(Sweeper):
+    def __init__(self, n_trials: int, sampler: str, seed: int | None, direction: str, study_name: str,
+                 params: dict[str, str]):
+        self.n_trials, self.sampler_name, self.seed = n_trials, sampler, seed
+        self.direction, self.study_name, self.params = direction, study_name, dict(params or {})
+
+    def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.hydra_context, self.config = hydra_context, config
+        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
+                                                               task_function=task_function, config=config)
+
+    def _study(self, sweep_dir: Path, direction: str, planning: bool = False):
+        import optuna
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend
+
+        if self.sampler_name not in ("tpe", "random"):
+            raise ValueError(f"hydra.sweeper.sampler={self.sampler_name}: give tpe or random")
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        # a dry run leaves the study as it was: its one planned trial is kept in memory
+        storage = None if planning else JournalStorage(JournalFileBackend(str(sweep_dir / STUDY_FILE)))
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(study_name=self.study_name, storage=storage, direction=direction,
+                                    load_if_exists=True)
+        # A study continued after its sweeper ended: the seed moves on by the trials already asked, or the sampler
+        # would ask the first trials' values again (its random start repeats with the same seed).
+        seed = None if self.seed is None else self.seed + len(study.trials)
+        study.sampler = (optuna.samplers.TPESampler(seed=seed) if self.sampler_name == "tpe"
+                         else optuna.samplers.RandomSampler(seed=seed))
+        return study
+
+    def sweep(self, arguments: list[str]) -> list:
+        import optuna
+        from optuna.trial import TrialState
+
+        space, fixed = search_space(arguments, self.params)
+        if not space:
+            raise ValueError("hydra/sweeper=optuna: no parameter to search; give one as key='interval(a, b)', "
+                             "key='choice(a, b)' or key='tag(log, interval(a, b))'")
+        direction = self.direction if self.direction != "auto" else direction_of(self.config)
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        planning = bool(OmegaConf.select(self.config, "launcher.dry_run"))
+        study = self._study(sweep_dir, direction, planning)
+        if study.direction.name.lower() != direction:
+            raise ValueError(f"{sweep_dir / STUDY_FILE} holds a study that {study.direction.name.lower()}s; this one "
+                             f"would {direction}: give the sweep its own directory (hydra.sweep.dir=...)")
+        for trial in study.get_trials(states=(TrialState.RUNNING,)):  # a sweeper killed during it: ask it again
+            print(f"trial {trial.number} was interrupted: asked again with the same values (its run resumes)")
+            study.enqueue_trial(trial.params, skip_if_exists=False)
+            study.tell(trial.number, state=TrialState.FAIL)
+        returns, index, failed = [], len(study.trials), 0
+        while len(study.get_trials(states=(TrialState.COMPLETE,))) < self.n_trials:
+            if failed >= self.n_trials:  # a space where nothing finishes (a crash, a bad value) is not searched on
+                raise RuntimeError(f"hydra/sweeper=optuna: {failed} trials in a row did not finish with a score; "
+                                   f"their run directories under {sweep_dir} say why (python -m launcher.sweep "
+                                   f"{sweep_dir})")
+            trial = study.ask(space)
+            overrides = [*fixed, *(f"{key}={_override_value(value)}" for key, value in trial.params.items())]
+            self.validate_batch_is_legal([overrides])
+            [result] = self.launcher.launch([overrides], initial_job_idx=index)
+            index += 1
+            returns.append(result)
+            run_dir = Path(result.hydra_cfg.hydra.runtime.output_dir)
+            value = score(run_dir)
+            if planning:  # a dry run plans one trial's run: the study itself needs real runs
+                study.tell(trial, state=TrialState.FAIL)
+                print(f"dry run: planned trial {trial.number} ({' '.join(overrides)}); the study runs "
+                      f"{self.n_trials} trials")
+                return returns
+            if value is None:
+                failed += 1
+                study.tell(trial, state=TrialState.FAIL)
+                print(f"trial {trial.number}: {' '.join(overrides)} did not finish with a score ({run_dir})")
+                continue
+            failed = 0
+            study.tell(trial, value)
+            print(f"trial {trial.number}: {value:.6g}  {' '.join(overrides)}")
+        self._report(study, fixed, sweep_dir, optuna)
+        return returns
+
+    def _report(self, study, fixed: list[str], sweep_dir: Path, optuna) -> None:
+        best = study.best_trial
+        params = [f"{key}={_override_value(value)}" for key, value in best.params.items()]
+        command = shlex.join(["python", "-m", "launcher", *fixed, *params])
+        (sweep_dir / BEST_FILE).write_text(OmegaConf.to_yaml({"trial": best.number, "value": best.value,
+                                                               "direction": study.direction.name.lower(),
+                                                               "params": best.params, "command": command}))
+        print(f"best trial {best.number}: {best.value:.6g} with {' '.join(params)}\nrerun it: {command}")
+        import warnings
+
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            from optuna.visualization import matplotlib as plots
+
+            warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+            plots.plot_optimization_history(study).figure.savefig(sweep_dir / "optimization_history.png")
+            if len(best.params) > 1 and len(study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) > 1:
+                plots.plot_param_importances(study).figure.savefig(sweep_dir / "param_importances.png")
+        except ImportError:
+            print("matplotlib is not installed: no plots of the study (pip install matplotlib)")
+
+
+def _override_value(value: Any) -> str:
+    return repr(value) if isinstance(value, float) else str(value)

@@ -1,0 +1,103 @@
+"""A hyperparameter study (hydra/sweeper=optuna, hydra_plugins/ddp_launcher_optuna): each trial a run of the
+launcher with its own run directory, scored by the best value of its monitored metric; the study kept in the sweep
+directory, so that the same command continues it after the sweeper is killed."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import FAST, run_cli, wait_for
+from omegaconf import OmegaConf
+
+# A tiny job (1 process, 2 epochs of 512 synthetic samples) searched over lr (log scale) and the batch.
+STUDY = [*FAST, "-m", "hydra/sweeper=optuna", "hydra.sweeper.seed=0", "trainer.procs_per_node=1", "data=synthetic",
+         "data.num_samples=512", "model=mlp", "model.hidden=[64,32]", "trainer.epochs=2", "trainer.log_every=8",
+         "optim.lr=tag(log, interval(0.01, 0.5))", "data.batch_size=choice(16, 32)"]
+
+
+def study(tmp_path: Path, sweep_dir: Path, *more: str):
+    return run_cli("launcher", *STUDY, *more, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, timeout=600)
+
+
+def trials(sweep_dir: Path):
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    storage = JournalStorage(JournalFileBackend(str(sweep_dir / "study.journal")))
+    return optuna.load_study(study_name="study", storage=storage).trials
+
+
+def test_a_study_runs_its_trials_as_runs_and_names_the_best_with_a_command_to_rerun_it(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = study(tmp_path, sweep_dir, "hydra.sweeper.n_trials=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = [t for t in trials(sweep_dir) if t.state.name == "COMPLETE"]
+    assert len(done) == 3
+    # every trial is a run of its own, scored by its monitored metric (accuracy: maximised)
+    rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
+    assert len(rows) == 3 and all(r["status"] == "finished" for r in rows)
+    assert sorted(t.value for t in done) == sorted(float(r["best_acc"]) for r in rows)
+    best = OmegaConf.load(sweep_dir / "best_trial.yaml")
+    assert best.direction == "maximize" and best.value == max(t.value for t in done)
+    assert f"best trial {best.trial}: {best.value:.6g}" in proc.stdout
+    assert (sweep_dir / "optimization_history.png").stat().st_size > 0
+    assert (sweep_dir / "param_importances.png").stat().st_size > 0
+    # the printed command reruns the best trial's own run: it finds its run directory finished, with that score
+    lr = repr(best.params["optim.lr"])
+    assert f"optim.lr={lr}" in best.command and f"data.batch_size={best.params['data.batch_size']}" in best.command
+
+
+def test_a_killed_sweeper_run_again_continues_the_study_and_resumes_the_interrupted_trial(tmp_path):
+    """SIGKILL to the sweeping process while its second trial trains (its ranks die with it); the same command
+    continues: the first trial is not run again, the second is asked again with its values and resumes from its
+    checkpoint, and the study ends with its trials."""
+    sweep_dir = tmp_path / "sweep"
+    command = [sys.executable, "-m", "launcher", *STUDY, "hydra.sweeper.n_trials=3", "checkpoint.every_steps=8",
+               f"hydra.sweep.dir={sweep_dir}"]
+    env = {**os.environ, "STEP_DELAY_MS": "40", "PYTHONPATH": str(Path(__file__).parent / "faults")}
+
+    def second_trial_checkpointed() -> bool:
+        runs = [p.parent.parent for p in sweep_dir.glob("*/checkpoints/step_*.pt.sha256")]
+        finished = [p for p in sweep_dir.glob("*/status.json") if json.loads(p.read_text()).get("status") == "finished"]
+        return len(finished) == 1 and any(r != finished[0].parent for r in runs)
+
+    with subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:
+        try:
+            wait_for(second_trial_checkpointed, timeout=300, what="the second trial's first checkpoint")
+            os.killpg(proc.pid, signal.SIGKILL)  # the sweeper and everything it started
+            proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    first = [t for t in trials(sweep_dir) if t.state.name == "COMPLETE"]
+    assert len(first) == 1
+    [done_path] = [p for p in sweep_dir.glob("*/status.json") if json.loads(p.read_text())["status"] == "finished"]
+    done_mtime = done_path.stat().st_mtime_ns
+
+    again = run_cli("launcher", *STUDY, "hydra.sweeper.n_trials=3", "checkpoint.every_steps=8",
+                    f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "was interrupted: asked again with the same values" in again.stdout
+    assert again.stderr.count("resuming from") == 1  # the interrupted trial's run, from its checkpoint; no other
+    every = trials(sweep_dir)
+    complete = [t for t in every if t.state.name == "COMPLETE"]
+    assert len(complete) == 3 and complete[0].number == first[0].number
+    interrupted = [t for t in every if t.state.name == "FAIL"]
+    assert len(interrupted) == 1 and interrupted[0].params in [t.params for t in complete]
+    assert done_path.stat().st_mtime_ns == done_mtime  # the finished trial's run was not run again
+    assert len(list(sweep_dir.glob("*/status.json"))) == 3  # three runs: none duplicated, none lost
+
+
+def test_a_search_space_a_study_cannot_sample_is_refused_with_the_fix(tmp_path):
+    proc = run_cli("launcher", *FAST, "-m", "hydra/sweeper=optuna", "optim.lr=glob(*)", "trainer.procs_per_node=1",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "a study samples choice(...), range(...) or interval(a, b)" in proc.stderr
