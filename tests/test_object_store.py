@@ -82,6 +82,26 @@ def test_prune_keeps_the_last_commits_and_removes_an_upload_that_never_committed
     assert sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(store.root)) == ["step_00000020", "step_00000030"]
 
 
+def test_a_start_from_a_checkpoint_the_store_lacks_uploads_it_first(tmp_path):
+    """A run whose last upload did not finish (killed, or the store was down) left its newest checkpoint on the disk
+    only: the next start on that machine resumes from it and puts it in the store before training goes on."""
+    import torch
+
+    from train.checkpoint.file import REQUIRED_KEYS
+    from train.checkpoint.manager import CheckpointManager
+    from train.config import CheckpointConfig
+
+    state = {key: torch.tensor([1.0]) for key in REQUIRED_KEYS} | {"step": 8, "rng": [], "config": {}}
+    CheckpointManager(tmp_path / "checkpoints", CheckpointConfig(), is_writer=True).save(state, 8)
+    url = f"file://{tmp_path / 'store'}"
+    manager = CheckpointManager(tmp_path / "checkpoints", CheckpointConfig(store=url), is_writer=True)
+    assert Store(url).committed() == []
+    assert manager.choose()["step"] == 8
+    [record] = Store(url).committed()
+    assert record.step == 8 and record.name == "step_00000008.pt"
+    manager.close()
+
+
 # --- the checks before start -----------------------------------------------------------------------------------
 
 def test_a_store_url_is_checked_before_any_process_starts(launch, bucket, tmp_path):
