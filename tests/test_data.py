@@ -289,3 +289,19 @@ def test_a_stop_signal_while_loader_workers_start_ends_neither_them_nor_the_rank
                         worker_init_fn=functools.partial(_signalled_while_starting, rank_pid=os.getpid()))
     assert [batch.tolist() for batch in batches_of(loader)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert signal.SIGTERM not in signal.sigpending()  # nothing was held back in this process either
+
+
+def test_samples_of_different_shapes_in_one_batch_name_the_shapes_and_data_collate_fn():
+    """torch's own error ("stack expects each tensor to be equal size") says neither which shapes nor what to do
+    (issue 61, D11): past the samples checked before start, a data set changed shape."""
+    from torch.utils.data import DataLoader
+
+    from train.config import DataConfig
+    from train.data.loader import loader_options
+
+    samples = [(torch.zeros(4 if i < 6 else 5), i) for i in range(8)]
+    loader = DataLoader(samples, batch_size=4, **loader_options(DataConfig(), torch.device("cpu")))
+    batches = iter(loader)
+    assert next(batches)[0].shape == (4, 4)
+    with pytest.raises(ValueError, match=r"different shapes \(\(4,\), \(5,\)\).*data.collate_fn"):
+        next(batches)

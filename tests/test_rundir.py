@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from launcher.run_dir.directory import MAX_TAG, run_tag
 
 
@@ -166,3 +168,22 @@ def test_jobs_status_of_a_path_that_is_no_run_directory_says_so(tmp_path, capsys
     (tmp_path / "a-file").write_text("x")
     assert main(["status", str(tmp_path / "a-file")]) == 2
     assert "is a file" in capsys.readouterr().err
+
+
+def test_the_tools_refuse_a_path_that_is_not_what_they_read_with_the_fix(tmp_path, capsys):
+    """Issue 61 (B): `launcher.sweep` on a missing folder, `export --out` a directory and `python -m train` on a
+    missing config ended in raw tracebacks."""
+    import subprocess
+    import sys
+
+    from launcher.tools.export import main as export
+    from launcher.tools.sweep import main as sweep
+
+    assert sweep([str(tmp_path / "nope")]) == 2
+    assert "is not a directory: give the sweep directory of a multirun" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        export([str(tmp_path), "--out", str(tmp_path)])
+    assert exited.value.code == 2 and f"--out {tmp_path} is a directory: give a file name in it" in capsys.readouterr().err
+    rank = subprocess.run([sys.executable, "-m", "train", str(tmp_path / "config.yaml")], capture_output=True,
+                          text=True, timeout=120)
+    assert rank.returncode == 2 and "no such file; give the config.yaml of a run directory" in rank.stderr

@@ -28,9 +28,13 @@ from train.writer import RunDirHeld  # noqa: E402
 def cli() -> None:
     parser = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="the resolved config snapshot written by the launcher (RUN_DIR/config.yaml)")
+    config = parser.parse_args().config
+    if not os.path.isfile(config):  # before anything else: a typo, not a crash with torch's traceback
+        parser.error(f"{config}: no such file; give the config.yaml of a run directory (the launcher writes "
+                     f"RUN_DIR/config.yaml: python -m launcher ... launcher.dry_run=true writes one without training)")
     die_with_parent()
     name_process(rank_process_name(os.environ).encode())  # `pgrep -x 'train rank 0'`, as ps and top show it
-    main(parser.parse_args().config)
+    main(config)
 
 
 if __name__ == "__main__":

@@ -160,6 +160,9 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
         problems.append(f"checkpoint.async_save=true writes step directories: add checkpoint.format=dcp (this run "
                         f"would write {checkpoint_format(cfg)!r} checkpoints), or leave async_save out.")
     _at_least(problems, "data.num_workers", d.num_workers, 0, "0 loads in the training process")
+    if not 0 < d.eval_fraction < 1:
+        problems.append(f"data.eval_fraction={d.eval_fraction}: the share of the samples held out for evaluation "
+                        f"must lie between 0 and 1, both excluded (0.2 by default; 0.1 holds out a tenth).")
     _at_least(problems, "launcher.max_restarts", cfg.launcher.max_restarts, 0)
     _at_least(problems, "launcher.gpu_memory_gb", cfg.launcher.gpu_memory_gb, 0.0, "0 takes this machine's GPU")
 

@@ -180,6 +180,9 @@ def from_store(url: str, scratch: Path, step: int | None, best: bool) -> Path:
 
 
 def _export(parser, args) -> int:
+    if args.out is not None and args.out.is_dir():
+        parser.error(f"--out {args.out} is a directory: give a file name in it ({args.out / 'model.pt'}, or "
+                     f"model.safetensors); --hf DIR writes a Hugging Face model's folder")
     if not (args.run_dir / CONFIG_FILE).is_file():
         parser.error(f"{args.run_dir} has no {CONFIG_FILE}: give the run directory of a training run")
     try:

@@ -132,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.sweep", description="Rebuild a sweep's summary.")
     parser.add_argument("sweep_dir", type=Path)
     sweep_dir = parser.parse_args(argv).sweep_dir.resolve()
+    if not sweep_dir.is_dir():
+        print(f"error: {sweep_dir} is not a directory: give the sweep directory of a multirun (multirun/<name>, "
+              f"printed as `sweep ...` under its table)", file=sys.stderr)
+        return 2
     rows = summarize(sweep_dir)
     if not rows:
         print(f"error: {sweep_dir} holds no sweep points (no */.hydra/overrides.yaml)", file=sys.stderr)

@@ -189,6 +189,13 @@ MISTAKES = [
      ["launcher.numa_binding='nearest' is not one of none, node, socket, exclusive, core-complex"]),
     ("empty-sweep", ["-m", "data.batch_size=range(8,8)", "hydra.sweep.dir=multirun/empty"],
      ["the sweep has no points", "give each swept key at least one value"]),
+    ("eval-fraction-of-the-whole-set", ["data.eval_fraction=1.0"],
+     ["data.eval_fraction=1.0: the share of the samples held out", "between 0 and 1, both excluded"]),
+    # --- checkpoint stores (issue 62) ------------------------------------------------------------------------------
+    ("store-url-with-credentials", ["checkpoint.store=s3://AKIA:secret@bucket/run"],
+     ["the URL holds credentials", "give the bucket alone (s3://bucket/prefix)"]),
+    ("store-of-an-unknown-scheme", ["checkpoint.store=nosuch://bucket/run"],
+     ["checkpoint.store=nosuch://bucket/run: Protocol not known", "give an fsspec URL"]),
     # --- trackers ------------------------------------------------------------------------------------------------
     ("mlflow-at-an-address-nobody-serves", ["+logger=mlflow", "loggers.mlflow.tracking_uri=http://127.0.0.9:5999"],
      ["loggers.mlflow.tracking_uri=http://127.0.0.9:5999: no MLflow server answers at 127.0.0.9:5999",

@@ -68,11 +68,39 @@ class EpochSampler(Sampler):
         return iter([(self.epoch, i) for i in indices])
 
 
+def default_collate(samples: list):
+    """torch's default collate, whose error for samples of different shapes names neither the shapes nor the fix."""
+    from torch.utils.data import default_collate as collate
+
+    try:
+        return collate(samples)
+    except RuntimeError as error:
+        if "stack expects each tensor to be equal size" not in str(error):
+            raise
+        shapes = sorted({str(tuple(t.shape)) for t in _tensors(samples)})
+        raise ValueError(
+            f"the samples of one batch have different shapes ({', '.join(shapes[:6])}{', ...' if len(shapes) > 6 else ''}"
+            f"), which torch's default collate cannot stack: make the data set return one shape (pad or crop in it), "
+            f"or give data.collate_fn a function that merges such samples (a _target_ with _partial_: true, e.g. "
+            f"one that pads to the longest).") from error
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensors(value)
+
+
 def loader_options(cfg: DataConfig, device: torch.device) -> dict:
     from hydra.utils import instantiate
 
     options = {"num_workers": cfg.num_workers, "pin_memory": cfg.pin_memory and device.type == "cuda",
-               "collate_fn": instantiate(cfg.collate_fn) if cfg.collate_fn else None,
+               "collate_fn": instantiate(cfg.collate_fn) if cfg.collate_fn else default_collate,
                # The workers' base seed from a generator of its own: drawn from the global one, it would move the
                # training's random stream at every epoch start (and differently in a run resumed mid-epoch).
                "generator": torch.Generator().manual_seed(0)}
