@@ -290,7 +290,7 @@ def rank_zeros_listing(counters: Counters, rank: int) -> None:
     def from_rank_zero(value, group=None):
         if rank != 0 and value == [] and listing[0] is not None:
             with counters.uncounted():
-                value = [str(c.path) for c in reversed(catalog.committed(listing[0]))]
+                value = [(c.path.name, False) for c in reversed(catalog.committed(listing[0]))]
         return broadcast(value, group)
 
     listing = [None]

@@ -78,15 +78,15 @@ def run_progress(run_dir: Path, now: float | None = None) -> dict:
 
 
 def saved(run_dir: Path) -> str | None:
-    """The step of the newest committed checkpoint, on the disk and, with checkpoint.store, in the store (what a
-    start on a fresh machine resumes from). Imported here: the catalogue brings torch (~1.5 s of CPU), which only a
-    run with checkpoints pays, once per status call."""
+    """With checkpoint.store: the step of the newest committed checkpoint on the disk and in the store (what a start
+    on a fresh machine resumes from); None without a store. Imported here: the catalogue brings torch (~1.5 s of
+    CPU), which only a run with a store pays, once per status call."""
     config, url = run_dir / CONFIG_FILE, ""
     if config.exists():
         from omegaconf import OmegaConf
 
         url = OmegaConf.select(OmegaConf.load(config), "checkpoint.store") or ""
-    if not (run_dir / "checkpoints").is_dir() and not url:
+    if not url:  # the column is a store's (a run without one: its table as before, and no torch to import)
         return None
     from train.checkpoint import checkpoint_dir, committed
 
@@ -108,9 +108,10 @@ def _duration(seconds: float) -> str:
 
 def print_progress(run_dirs: list[Path], title: str) -> None:
     table = Table(title=title)
-    for column in COLUMNS:
+    rows = [run_progress(run_dir) for run_dir in run_dirs]
+    columns = [c for c in COLUMNS if c != "saved" or any(row["saved"] for row in rows)]  # only where a store is
+    for column in columns:
         table.add_column(column, overflow="fold")
-    for run_dir in run_dirs:
-        row = run_progress(run_dir)
-        table.add_row(*(row[c] or "-" for c in COLUMNS))
+    for row in rows:
+        table.add_row(*(row[c] or "-" for c in columns))
     Console(width=200).print(table)
