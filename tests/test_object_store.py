@@ -54,10 +54,10 @@ def test_a_checkpoint_counts_once_its_record_is_written_and_downloads_only_whole
     store.download(record, tmp_path / "back")
     assert (tmp_path / "back" / "a.bin").read_bytes() == b"a" * 1000
 
-    store.fs.pipe_file(store._key("step_00000001", "b.bin"), b"c" * 10)  # changed behind the record's back
+    store.fs.pipe_file(store.key("step_00000001", "b.bin"), b"c" * 10)  # changed behind the record's back
     with pytest.raises(StoreDamaged, match="not what was committed"):
         store.download(record, tmp_path / "again")
-    store.fs.rm_file(store._key("step_00000001", "a.bin"))
+    store.fs.rm_file(store.key("step_00000001", "a.bin"))
     with pytest.raises(StoreDamaged, match="missing"):
         store.download(record, tmp_path / "again")
 
@@ -188,7 +188,7 @@ def test_an_object_deleted_by_hand_sets_that_checkpoint_aside_and_the_previous_r
     one = ["trainer.procs_per_node=1", "data.batch_size=32", f"checkpoint.store={url}"]
     assert train(tmp_path, run_dir, *one, "trainer.max_steps=16").returncode == 0
     store = Store(url)
-    store.fs.rm_file(store._key("step_00000016.pt", "step_00000016.pt"))  # an operator's mistake
+    store.fs.rm_file(store.key("step_00000016.pt", "step_00000016.pt"))  # an operator's mistake
     shutil.rmtree(run_dir)
 
     resumed = train(tmp_path, run_dir, *one)
@@ -196,7 +196,7 @@ def test_an_object_deleted_by_hand_sets_that_checkpoint_aside_and_the_previous_r
     assert f"{url}/step_00000016.pt does not load" in resumed.stderr and "is missing from the store" in resumed.stderr
     assert "(step 8)" in resumed.stderr
     assert same_model(final_checkpoint(run_dir)["model"], one_process_batch_32["model"])
-    assert store.fs.exists(store._key("step_00000016.pt", SET_ASIDE))  # kept for inspection, no longer committed
+    assert store.fs.exists(store.key("step_00000016.pt", SET_ASIDE))  # kept for inspection, no longer committed
     assert [r.step for r in store.committed()] == [8, 16, 24]  # step 16 written again, whole
 
 
@@ -214,7 +214,7 @@ def stalled_upload(s3, store: Store, run_dir: Path, tmp_path: Path, *overrides: 
                                         "PYTHONPATH": str(Path(__file__).parent / "faults")},
             stdout=subprocess.PIPE, stderr=err_file, text=True) as proc:
         try:
-            wait_for(lambda: store.fs.exists(store._key("config.yaml")), timeout=120, what="step 8's upload")
+            wait_for(lambda: store.fs.exists(store.key("config.yaml")), timeout=120, what="step 8's upload")
             os.kill(s3["process"].pid, signal.SIGSTOP)
             try:
                 wait_for(lambda: "waiting for the upload to" in err_path.read_text(), timeout=120,

@@ -152,7 +152,7 @@ def from_store(url: str, scratch: Path, step: int | None, best: bool) -> Path:
         store = Store(url)
         found = store.committed()
         record = store.record(STORE_BEST) if best else next((r for r in reversed(found) if step in (None, r.step)), None)
-        config = store.fs.cat_file(store._key(CONFIG_FILE)) if record is not None else None
+        config = store.fs.cat_file(store.key(CONFIG_FILE)) if record is not None else None
     except ExportError:
         raise
     except FileNotFoundError:

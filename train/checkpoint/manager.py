@@ -286,7 +286,7 @@ class CheckpointManager:
         if not self.config_uploaded and (config := self.directory.parent / CONFIG_FILE).is_file():
             # the run's resolved config beside its checkpoints: export reads the store alone (no credentials in it)
             with contextlib.suppress(Exception):
-                self.store.fs.pipe_file(self.store._key(CONFIG_FILE), config.read_bytes())
+                self.store.fs.pipe_file(self.store.key(CONFIG_FILE), config.read_bytes())
                 self.config_uploaded = True
 
     def _download(self, name: str) -> str | None:

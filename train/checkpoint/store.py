@@ -79,7 +79,8 @@ class Store:
         self.fs, root = open_store(self.url)
         self.root = root.rstrip("/")
 
-    def _key(self, *parts: str) -> str:
+    def key(self, *parts: str) -> str:
+        """The file system's path of `parts` under the store's prefix (what self.fs takes)."""
         return "/".join((self.root, *parts))
 
     def where(self, name: str) -> str:
@@ -94,14 +95,14 @@ class Store:
 
     def record(self, name: str) -> Record | None:
         try:
-            return Record(**json.loads(self.fs.cat_file(self._key(name, COMMIT))))
+            return Record(**json.loads(self.fs.cat_file(self.key(name, COMMIT))))
         except FileNotFoundError:
             return None
 
     def _records(self) -> list[Record]:
         self.fs.invalidate_cache()  # another process (another rank, an earlier attempt) may have written since
         records = []
-        for key in self.fs.glob(self._key("*", COMMIT)):
+        for key in self.fs.glob(self.key("*", COMMIT)):
             try:
                 records.append(Record(**json.loads(self.fs.cat_file(key))))
             except FileNotFoundError:  # removed since the listing (pruned)
@@ -119,7 +120,7 @@ class Store:
             digest, size = hashlib.sha256(), 0
             try:
                 with watch(f"downloading {record.name}/{relative}") as progress, \
-                        self.fs.open(self._key(record.name, relative), "rb", block_size=CHUNK_BYTES) as source, \
+                        self.fs.open(self.key(record.name, relative), "rb", block_size=CHUNK_BYTES) as source, \
                         open(path, "wb") as sink:
                     while chunk := source.read(CHUNK_BYTES):
                         sink.write(chunk)
@@ -142,7 +143,7 @@ class Store:
     def forget(self, name: str) -> None:
         """No longer a checkpoint (its record deleted), before any of its objects is written again or removed."""
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._key(name, COMMIT))
+            self.fs.rm_file(self.key(name, COMMIT))
 
     def upload(self, source: Path, name: str, files: dict[str, dict], watch: Watch = unwatched) -> None:
         """Copy `files` (relative to the directory `source`) to <name>/, each read and hashed once: a local file
@@ -150,7 +151,7 @@ class Store:
         for relative, expected in sorted(files.items()):
             digest, size = hashlib.sha256(), 0
             with watch(f"uploading {name}/{relative}") as progress, open(source / relative, "rb") as local:
-                sink = self.fs.open(self._key(name, relative), "wb", block_size=CHUNK_BYTES)
+                sink = self.fs.open(self.key(name, relative), "wb", block_size=CHUNK_BYTES)
                 try:
                     while chunk := local.read(CHUNK_BYTES):
                         sink.write(chunk)
@@ -161,7 +162,7 @@ class Store:
                         raise OSError(f"{source / relative} changed on the local disk after it was committed "
                                       f"(sha256 {digest.hexdigest()[:12]}..., committed {expected['sha256'][:12]}...)")
                 except BaseException:
-                    self._abandon(sink, self._key(name, relative))
+                    self._abandon(sink, self.key(name, relative))
                     raise
                 sink.close()
 
@@ -180,26 +181,26 @@ class Store:
 
     def commit(self, record: Record) -> None:
         """The commit point: one small object, which appears whole or not at all."""
-        self.fs.pipe_file(self._key(record.name, COMMIT), json.dumps(asdict(record), indent=1).encode())
+        self.fs.pipe_file(self.key(record.name, COMMIT), json.dumps(asdict(record), indent=1).encode())
 
     def remove(self, name: str) -> None:
         self.forget(name)
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self._key(name), recursive=True)
+            self.fs.rm(self.key(name), recursive=True)
 
     def set_aside(self, name: str, problem: str) -> None:
         """A checkpoint that did not download whole is no longer committed; its record is kept beside it."""
         log.warning("%s does not load (%s): set aside (%s), trying the previous one", self.where(name), problem,
                     SET_ASIDE)
         with contextlib.suppress(FileNotFoundError):
-            self.fs.pipe_file(self._key(name, SET_ASIDE), self.fs.cat_file(self._key(name, COMMIT)))
+            self.fs.pipe_file(self.key(name, SET_ASIDE), self.fs.cat_file(self.key(name, COMMIT)))
         self.forget(name)
 
     def copy_best(self, record: Record) -> None:
         """best/ as a server-side copy of `record`'s objects (no second upload), committed like a step."""
         self.forget(BEST)
         for relative in sorted(record.files):
-            self.fs.copy(self._key(record.name, relative), self._key(BEST, relative))
+            self.fs.copy(self.key(record.name, relative), self.key(BEST, relative))
         self.commit(Record(BEST, record.commit, record.step, record.format, record.files))
 
     def prune(self, keep_last: int) -> None:
