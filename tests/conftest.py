@@ -391,16 +391,12 @@ def s3(tmp_path_factory):
             return s.connect_ex((host, port)) == 0
 
     wait_for(answers, timeout=60, what="the moto S3 server to listen")
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # this process's own Store() reads the same environment
+    from launcher.backends.local import environment
+
     try:
-        yield {"env": env, "process": server}
+        with environment(env):  # this process's own Store() reads the same environment as the runs' ranks
+            yield {"env": env, "process": server}
     finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         os.kill(server.pid, signal.SIGCONT)
         server.terminate()
         server.wait(timeout=30)
