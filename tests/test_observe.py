@@ -4,9 +4,12 @@ reports, the NCCL flight recorder's settings, and a tracker catching up from met
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from train.observe.hang import HangReports, flight_recorder_env, summary
 from train.observe.metrics import Metrics, curves
+from train.observe.watchdog import HANG_EXIT_CODE
 
 
 def test_curves_are_what_changes_and_the_same_tags_everywhere():
@@ -198,3 +201,14 @@ def test_a_rank_whose_store_call_failed_once_reads_the_store_again_later(tmp_pat
     assert reports._fresh_request() is None  # not asked again at once (a frozen server costs a wait per call)
     clock[0] += hang.STORE_RETRY_S
     assert reports._fresh_request() == "20261128-000000-rank0"
+
+
+def test_a_hang_tells_its_reason_to_the_owner_before_it_ends_the_rank(tmp_path):
+    # A SLURM task is its own rank, with no agent to see exit code 70 and say why: the watchdog tells the task first.
+    said = tmp_path / "said.txt"
+    program = ("import time\nfrom train.observe.watchdog import Watchdog\n"
+               f"Watchdog(1, 0.4, on_hang=lambda reason: open({str(said)!r}, 'w').write(reason))\n"
+               "time.sleep(120)\n")
+    ended = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=100)
+    assert ended.returncode == HANG_EXIT_CODE, ended.stderr[-2000:]
+    assert "[rank 1] no progress for" in said.read_text() and "trainer.hang_timeout_s=0.4" in said.read_text()

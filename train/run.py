@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import resource
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,7 +44,9 @@ from train.writer import check_writer
 log = logging.getLogger("train")
 
 
-def main(config_path: str | Path) -> Outcome:
+def main(config_path: str | Path, on_hang: Callable[[str], None] | None = None) -> Outcome:
+    """Train this rank from the run's config snapshot. `on_hang(reason)`: told before a detected hang ends the rank
+    (train/observe/watchdog.py), for a launcher with no agent watching the process."""
     freeze_imported_objects()
     open_files_to_hard_limit()  # a socket per peer per world-sized gloo group: ~1,022 at 512 ranks
     config_path = Path(config_path).resolve()
@@ -69,7 +72,7 @@ def main(config_path: str | Path) -> Outcome:
     reports = HangReports(config_path.parent, env.rank, env.world_size, store=distributed.side_store(hang_prefix),
                           connect=lambda: distributed.side_store(hang_prefix))
     watchdog = Watchdog(env.rank, cfg.trainer.hang_timeout_s, cfg.checkpoint.io_timeout_s, reports,  # loading too
-                        peers=build_peers(env, cfg.trainer.hang_timeout_s))
+                        peers=build_peers(env, cfg.trainer.hang_timeout_s), on_hang=on_hang)
     run = None
     try:
         control = distributed.control_group(backend)

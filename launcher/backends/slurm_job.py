@@ -142,11 +142,16 @@ class SlurmTask(Requeues):
         renewer = Renewer(run_dir, mine).__enter__() if os.environ["RANK"] == "0" else None
         if renewer:
             write_status(run_dir, "running")
+        from launcher.backends.local import record_failure
+
+        def hung(reason: str) -> None:  # the rank ends at once (os._exit): no agent is there to say why
+            record_failure(run_dir, f"rank {os.environ['RANK']} failed: {reason} (its report is in {run_dir}/hang/)",
+                           (False, time.time()))
+
         try:
-            outcome = main(self.snapshot)
+            outcome = main(self.snapshot, on_hang=hung)
         except Exception as error:  # the task that failed by itself says so, not one that lost a peer to it
             from launcher.backends.agent import PEER_LOST
-            from launcher.backends.local import record_failure
 
             record_failure(run_dir, f"rank {os.environ['RANK']} failed: {type(error).__name__}: {error}",
                            (any(marker in str(error) for marker in PEER_LOST), time.time()))

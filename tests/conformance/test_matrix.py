@@ -501,7 +501,10 @@ def kill(backend: Backend, mode: str, run_dir: Path, reference, sig: int = signa
         assert "not counted as a restart" not in text, text[-3000:]
     if backend.name == "slurm" and mode != "replicas":  # a task per rank, no agent: the same command resumes
         assert ended == backend.failed, f"ended {ended!r}\n{text[-4000:]}"
-        assert status(run_dir)["status"] == "failed", status(run_dir)
+        said = status(run_dir)
+        assert said["status"] == "failed", said
+        if sig == signal.SIGSTOP:  # the rank that saw the hang said so before it ended (no agent is there to)
+            assert "hang_timeout_s" in said.get("error", "") or "waiting on the others" in said.get("error", ""), said
         if sig == signal.SIGKILL:  # SLURM's own word for it: the rank's task was killed
             assert "task 1: Killed" in text, text[-3000:]
         again = backend.start(run_dir, overrides, SLOW)

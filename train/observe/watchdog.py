@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from train.observe.hang import NullHangReports, innermost_own_frame
@@ -76,8 +76,12 @@ class _Stream:
 
 
 class Watchdog:
-    def __init__(self, rank: int, timeout_s: float, io_timeout_s: float = 0, reports=None, peers=None):
+    def __init__(self, rank: int, timeout_s: float, io_timeout_s: float = 0, reports=None, peers=None,
+                 on_hang: Callable[[str], None] | None = None):
         self.rank = rank
+        # Told the reason before a hang ends this rank (os._exit: no exception reaches the caller). A rank without
+        # an agent watching its process (a SLURM task is one) records its failure here.
+        self.on_hang = on_hang
         self.reports = reports or NullHangReports()
         self.timeout_s = timeout_s
         self.io_timeout_s = io_timeout_s
@@ -183,7 +187,7 @@ class Watchdog:
                 print(f"{report} Stacks of this rank's threads:", file=sys.stderr, flush=True)
                 write_lines(thread_stacks(), prefix=f"[rank {self.rank}] ")
                 self.report_hang(report, wait_s=2 * every + 2)
-                os._exit(HANG_EXIT_CODE)
+                self._end(report)
             self.reports.answer_request(self.state())
 
     def _watch_peers(self, peers, every: float) -> None:
@@ -196,7 +200,16 @@ class Watchdog:
                 print(f"{report} Stacks of this rank's threads:", file=sys.stderr, flush=True)
                 write_lines(thread_stacks(), prefix=f"[rank {self.rank}] ")
                 self.report_hang(report, wait_s=2 * every + 2)
-                os._exit(HANG_EXIT_CODE)
+                self._end(report)
+
+    def _end(self, report: str) -> None:
+        if self.on_hang is not None:
+            try:
+                self.on_hang(report)
+            except Exception as error:  # the rank ends all the same: its report is on stderr and in RUN_DIR/hang/
+                print(f"[rank {self.rank}] could not record the hang: {type(error).__name__}: {error}",
+                      file=sys.stderr, flush=True)
+        os._exit(HANG_EXIT_CODE)
 
     def report_collective_timeout(self, error: BaseException) -> None:
         """A collective of this rank timed out (trainer.timeout_s): the same reports as for a hang, before the
