@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from train.data.in_memory import TrainBatches, augment
+from train.data.order import GlobalOrder
 from train.data.loader import batches_of
 from train.host import die_with_rank
 from train.config import DataConfig
@@ -100,7 +101,8 @@ def test_digits_split_is_fixed_and_disjoint():
 def test_ranks_partition_each_epoch_and_resume_from_any_batch():
     data = TensorData(torch.arange(40).float().view(40, 1, 1, 1), torch.arange(40), (0.0,), (1.0,))
     cpu = torch.device("cpu")
-    shards = [TrainBatches(data, 5, rank, 2, seed=3, use_augment=False, device=cpu) for rank in range(2)]
+    shards = [TrainBatches(data, GlobalOrder(40, 3, 2, 5, 1, rank, 2), seed=3, use_augment=False, device=cpu)
+              for rank in range(2)]
     epoch0 = [[y for _, y in s.epoch(0)] for s in shards]
     seen = torch.cat([torch.cat(ys) for ys in epoch0])
     assert sorted(seen.tolist()) == list(range(40))  # each sample once per epoch, across ranks

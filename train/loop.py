@@ -155,7 +155,7 @@ def fit(run: Run) -> Outcome:
                 break
         epoch, offset = divmod(progress.step, plan.steps_per_epoch)
         if micro_batches is None or offset == 0:
-            micro_batches = batches.epoch(epoch, start=offset * cfg.trainer.accumulate)
+            micro_batches = batches.epoch(epoch, start=offset * plan.accumulate)
         first = progress.step == start
         compiling_now = cfg.trainer.compile and first  # the first step compiles: minutes, not a hang
         # This attempt's first step counts the activations it keeps (not under compile: the hooks would be traced).
@@ -165,7 +165,8 @@ def fit(run: Run) -> Outcome:
                 watchdog.phase("the first step") if first else contextlib.nullcontext(), \
                 saved or contextlib.nullcontext(), profiler.step(progress.step + 1):
             committed = train_step(run.strategy, run.task, micro_batches, run.optimizer, run.scheduler, run.scaler,
-                                   run.autocast, cfg.trainer, meter, run.finite, run.replicas, stop)
+                                   run.autocast, cfg.trainer, meter, run.finite, run.replicas, stop,
+                                   plan.accumulate, plan.global_batch if plan.uneven_shares else 0)
         if not committed:  # a replica group failed during the step: every group drops it and takes it again
             micro_batches = None
             continue

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass
 
 from train.config import OptimConfig, TrainConfig
 from train.fault_tolerance import groups, replica_group
-from train.parallel.layout import layout_of
+from train.data.order import micro_steps
+from train.parallel.layout import layout_of, world_size as configured_world
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,14 @@ class Plan:
     steps_per_epoch: int  # optimizer steps per epoch
     total_steps: int  # length of the lr schedule: epochs x steps_per_epoch
     stop_step: int  # this run stops here (trainer.max_steps, else total_steps)
+    accumulate: int = 1  # micro-batches per optimizer step on this world (trainer.accumulate at the run's own size)
+    reference_world: int = 0  # elastic (trainer.min_nodes): the world whose global batch and order are kept; 0: this one
+
+    @property
+    def uneven_shares(self) -> bool:
+        """Whether the ranks' micro-batches differ in size: an elastic run on a world that does not divide the
+        global batch (train/data/order.py). The step's loss then counts the samples across ranks."""
+        return self.global_batch % (self.replicas * self.accumulate) != 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,9 +81,18 @@ def global_batch_size(cfg: TrainConfig, world_size: int) -> int:
     return cfg.data.batch_size * replicas(cfg, world_size) * cfg.trainer.accumulate
 
 
+def reference_world(cfg: TrainConfig, world_size: int) -> int:
+    """The world whose global batch, schedule and data order the run keeps: trainer.nodes' for an elastic run
+    (trainer.min_nodes, whatever the nodes there are now), else the world it has."""
+    return configured_world(cfg.trainer) if cfg.trainer.min_nodes > 0 else world_size
+
+
 def make_plan(cfg: TrainConfig, world_size: int, train_size: int) -> Plan:
-    """The plan of `world_size` processes (the whole job's: every replica group's) on `train_size` samples an epoch."""
-    copies = replicas(cfg, world_size)
+    """The plan of `world_size` processes (the whole job's: every replica group's) on `train_size` samples an epoch.
+    An elastic run plans as trainer.nodes' world would (its global batch, steps and schedule) and deals each step's
+    samples out to the ranks it has (train/data/order.py): `accumulate` is then this world's."""
+    reference = reference_world(cfg, world_size)
+    copies = replicas(cfg, reference)
     if train_size == 0:  # no batch size fits: the data is what to look at
         raise ValueError(
             f"data.train ({cfg.data.train.get('_target_', '?')}) is empty: its __len__ is 0, so there is nothing to "
@@ -90,13 +108,16 @@ def make_plan(cfg: TrainConfig, world_size: int, train_size: int) -> Plan:
         )
     total = cfg.trainer.epochs * steps_per_epoch
     stop = min(total, cfg.trainer.max_steps) if cfg.trainer.max_steps > 0 else total
-    batch = global_batch_size(cfg, world_size)
+    batch = global_batch_size(cfg, reference)
+    here = replicas(cfg, world_size)
     return Plan(
         world_size=world_size,
-        replicas=copies,
+        replicas=here,
         global_batch=batch,
         lr=scaled_lr(cfg.optim, batch),
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
         stop_step=stop,
+        accumulate=micro_steps(batch, here, cfg.data.batch_size) if reference != world_size else cfg.trainer.accumulate,
+        reference_world=reference if cfg.trainer.min_nodes > 0 else 0,
     )

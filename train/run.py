@@ -37,7 +37,7 @@ from train.optim import build_optimization
 from train.parallel.strategies import build_strategy
 from train.parallel.strategy import Strategy, memory_format, place
 from train.parts import Run
-from train.plan import make_plan, place_in_job, size_of
+from train.plan import make_plan, place_in_job, replicas, size_of
 from train.step import build_autocast, set_matmul_precision
 from train.writer import check_writer
 
@@ -135,7 +135,8 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     with watchdog.phase("loading the checkpoint"):
         progress, state = resume(ckpt, cfg, env, strategy, optimizer, scheduler, scaler, plan)
     batches = build_train_source(cfg.data, data.train, where.replica, plan.replicas, cfg.trainer.seed,
-                                 plan.steps_per_epoch * cfg.trainer.accumulate, device, fmt)
+                                 plan.steps_per_epoch * plan.accumulate, device, fmt,
+                                 replicas(cfg, plan.reference_world or plan.world_size), cfg.trainer.accumulate)
     if state is not None and state["world_size"] == plan.world_size and state["global_batch"] == plan.global_batch:
         batches.load_state_dict((ckpt.rank_state(state, env.rank) or {}).get("data"))
     replica_groups = build_replicas(cfg.trainer, *peer_state(strategy, optimizer, scheduler, scaler, progress),

@@ -230,6 +230,8 @@ def train_step(
     finite: FiniteWatch,
     replicas=None,
     stop=None,
+    accumulate: int = 0,
+    global_samples: int = 0,
 ) -> bool:
     """The loss of a step is the sum of every counted item's loss over the global batch, divided by their number
     (train/tasks.py): each micro-batch's summed loss is scaled by replicas / global count, so that the gradients,
@@ -237,12 +239,17 @@ def train_step(
     first: their count is needed before the first backward. With replica groups (train/fault_tolerance.py) the
     gradients are then averaged over the groups taking part, and the step is taken only if they all commit it:
     whether it was is the return value. A loss that is not finite, and a stop signal (`stop`, train/stopping.py),
-    are heard by every group in the same step."""
+    are heard by every group in the same step. `accumulate`: micro-batches of this step (0: trainer.accumulate);
+    `global_samples`: the samples of the global batch where the ranks' shares differ in size (an elastic run away
+    from its own world size, train/data/order.py), 0 where they are alike."""
+    accumulate = accumulate or cfg.accumulate
     start = time.perf_counter()
-    micro_batches = [task.split(next(batches)) for _ in range(cfg.accumulate)]
+    micro_batches = [task.split(next(batches)) for _ in range(accumulate)]
     meter.data_time += time.perf_counter() - start
     count, loss_sum, by_samples = weighing(task)
-    if by_samples:  # every rank's full batches count alike: no collective, no device tensor (a number)
+    if by_samples and global_samples:  # shares of different sizes: each sample weighs 1 / global batch
+        scale = strategy.layout.dp / global_samples
+    elif by_samples:  # every rank's full batches count alike: no collective, no device tensor (a number)
         scale = 1.0 / sum(len(samples_of_batch(targets)) for _, targets in micro_batches)
     else:  # tokens that may be ignored: counted across ranks
         local = sum(torch.as_tensor(count(targets), device=strategy.device) for _, targets in micro_batches)
@@ -253,7 +260,7 @@ def train_step(
         meter.tokens += tokens
         meter.tokens_total += tokens
         # Gradients are synchronised on the last micro-step only; the others just accumulate locally.
-        last = micro == cfg.accumulate - 1
+        last = micro == accumulate - 1
         step_loss += strategy.forward_backward(
             inputs, targets, loss=lambda output, targets: loss_sum(output, targets) * scale, sync=last,
             autocast=autocast, scaler=scaler, call=model_call(task),

@@ -70,7 +70,9 @@ def rendezvous_id(cfg: Config | DictConfig, run_dir: Path) -> str:
 
 def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
     config = LaunchConfig(
-        min_nodes=cfg.trainer.nodes,
+        # Elastic (trainer.min_nodes): a round starts with the nodes there are, from min_nodes on, and a node that
+        # joins later restarts the workers at the larger world (torch's agent; the trainer keeps the global batch)
+        min_nodes=cfg.trainer.min_nodes or cfg.trainer.nodes,
         max_nodes=cfg.trainer.nodes,
         nproc_per_node=procs_per_node(cfg.trainer),
         run_id=rendezvous_id(cfg, run_dir),
@@ -78,7 +80,8 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
         rdzv_endpoint=cfg.launcher.rdzv_endpoint or "localhost:0",
         # join_timeout bounds the wait for the other nodes (torch's c10d rendezvous reads it; "timeout" alone left
         # its default, 600 s); "timeout" is what this launcher's own messages and torch's store read.
-        rdzv_configs={"join_timeout": cfg.launcher.rdzv_timeout_s, "timeout": cfg.launcher.rdzv_timeout_s},
+        rdzv_configs={"join_timeout": cfg.launcher.rdzv_timeout_s, "timeout": cfg.launcher.rdzv_timeout_s,
+                      "last_call_timeout": cfg.launcher.rdzv_last_call_s},
         max_restarts=cfg.launcher.max_restarts,
         monitor_interval=cfg.launcher.monitor_interval_s,
         # Where the agent keeps each attempt's error files (a failed rank's traceback); stdout stays on the console.

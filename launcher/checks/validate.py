@@ -434,6 +434,39 @@ def _check_fault_tolerance(cfg: Config, problems: list[str]) -> None:
         problems.append("trainer.fault_tolerance=replicas needs torchft: pip install -e '.[ft]'.")
 
 
+def _check_elastic(cfg: Config, problems: list[str]) -> None:
+    """trainer.min_nodes where it holds today: the trainer's ddp or fsdp on nodes by rendezvous (torch's elastic
+    agent), a map-style data set (checked where the data is built: train/data/build.py)."""
+    t = cfg.trainer
+    if t.min_nodes == 0:
+        return
+    fix = "or leave trainer.min_nodes out (a fixed world of trainer.nodes)"
+    if not 1 <= t.min_nodes <= t.nodes:
+        problems.append(f"trainer.min_nodes={t.min_nodes} must be between 1 and trainer.nodes={t.nodes} (the most "
+                        f"nodes the run takes, whose global batch it keeps), {fix}.")
+        return
+    if cfg.launcher.name != "local":
+        problems.append(f"trainer.min_nodes={t.min_nodes} with launcher={cfg.launcher.name}: an elastic world runs on "
+                        f"nodes by rendezvous (launcher.rdzv_endpoint, the same command on every node) in this "
+                        f"version; on {cfg.launcher.name} a lost node restarts the run at its size: {fix}.")
+    if cfg.program.name == "script":
+        problems.append(f"trainer.min_nodes={t.min_nodes} with program=script: the global batch a world change keeps "
+                        f"is the trainer's plan; a script's own loop sees WORLD_SIZE change under torchrun "
+                        f"(--nnodes=MIN:MAX) and must re-plan its batch itself: {fix}.")
+    if t.fault_tolerance != "none":
+        problems.append(f"trainer.min_nodes={t.min_nodes} with trainer.fault_tolerance={t.fault_tolerance}: replica "
+                        f"groups already train on without a lost group (docs/fault-tolerance.md says which to use "
+                        f"when): pick one of the two.")
+    if t.strategy not in ("ddp", "fsdp") or t.tp > 1:
+        problems.append(f"trainer.min_nodes={t.min_nodes} with trainer.strategy={t.strategy}"
+                        f"{f' trainer.tp={t.tp}' if t.tp > 1 else ''}: an elastic world deals the global batch out to "
+                        f"the data-parallel ranks there are, under ddp or fsdp with trainer.tp=1: use one of them, {fix}.")
+    if cfg.launcher.max_restarts < 1:
+        problems.append(f"trainer.min_nodes={t.min_nodes} needs launcher.max_restarts of 1 or more: a lost node "
+                        f"restarts the others' workers at the smaller world, and each loss counts as a restart (a "
+                        f"node that joins does not): e.g. launcher.max_restarts=3.")
+
+
 def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> None:
     """Raise ConfigError listing every problem with `cfg` (and its data and run directory)."""
     problems: list[str] = []
@@ -445,6 +478,7 @@ def validate(cfg: Config, run_dir: Path, cuda_devices: int | None = None) -> Non
     _check_world(cfg, problems, torch.cuda.device_count() if cuda_devices is None else cuda_devices, runs_here)
     if runs_here or backend.name != "local":
         backend.validate(cfg, problems)
+    _check_elastic(cfg, problems)
     if _choice(problems, "program.name", cfg.program.name, PROGRAMS) and cfg.program.name == "script":
         check_script(cfg, problems)  # the user's own loop: the trainer's model, data and task are not used
         if problems:

@@ -59,7 +59,7 @@ MISTAKES = [
     # --- keys and values that are not the config's --------------------------------------------------------------
     ("misspelt-key", ["trainer.stop_check_evry=5"],
      ["trainer.stop_check_evry: trainer has no key 'stop_check_evry' (did you mean trainer.stop_check_s?); its keys "
-      "are: nodes, gpus,", "!To append to your config"]),
+      "are: nodes, min_nodes, gpus,", "!To append to your config"]),
     ("misspelt-model-argument", ["model.widht=5"],
      ["model.widht: model has no key 'widht' (did you mean model.width?); its keys are: _target_, channels, "
       "image_size, num_classes, width, dropout. If it is an argument your code takes", "!To append to your config"]),
@@ -196,6 +196,17 @@ MISTAKES = [
      ["the URL holds credentials", "give the bucket alone (s3://bucket/prefix)"]),
     ("store-of-an-unknown-scheme", ["checkpoint.store=nosuch://bucket/run"],
      ["checkpoint.store=nosuch://bucket/run: Protocol not known", "give an fsspec URL"]),
+    # --- an elastic world (issue 63) -------------------------------------------------------------------------------
+    ("elastic-more-than-the-nodes", ["trainer.nodes=2", "trainer.min_nodes=3", "launcher.rdzv_endpoint=localhost:29731",
+                                     "launcher.max_restarts=1"],
+     ["trainer.min_nodes=3 must be between 1 and trainer.nodes=2"]),
+    ("elastic-without-restarts", ["trainer.nodes=2", "trainer.min_nodes=1", "launcher.rdzv_endpoint=localhost:29731"],
+     ["trainer.min_nodes=1 needs launcher.max_restarts of 1 or more", "each loss counts as a restart"]),
+    ("elastic-with-replica-groups", ["trainer.nodes=2", "trainer.min_nodes=1", "launcher.max_restarts=1",
+                                     "launcher.rdzv_endpoint=localhost:29731", "trainer.fault_tolerance=replicas"],
+     ["with trainer.fault_tolerance=replicas: replica groups already train on", "pick one of the two"]),
+    ("elastic-on-slurm", ["launcher=slurm", "trainer.nodes=2", "trainer.min_nodes=1", "launcher.max_restarts=1"],
+     ["an elastic world runs on nodes by rendezvous", "!Traceback"]),
     # --- trackers ------------------------------------------------------------------------------------------------
     ("mlflow-at-an-address-nobody-serves", ["+logger=mlflow", "loggers.mlflow.tracking_uri=http://127.0.0.9:5999"],
      ["loggers.mlflow.tracking_uri=http://127.0.0.9:5999: no MLflow server answers at 127.0.0.9:5999",

@@ -181,6 +181,11 @@ def restore_state(
     evaluated = state.get("eval_step", state["step"]) == state["step"]  # files from before eval_step: evaluated
     if state["world_size"] == plan.world_size and state["global_batch"] == plan.global_batch:
         step = state["step"]
+    elif plan.reference_world and state["global_batch"] == plan.global_batch:  # elastic: the same steps, dealt anew
+        step = state["step"]
+        log.info("the world changed from %d to %d processes since the checkpoint of step %d: the global batch (%d), "
+                 "the data order and the lr schedule are kept", state["world_size"], plan.world_size, step,
+                 plan.global_batch)
     else:
         samples = state["step_in_epoch"] * state["global_batch"]
         step_in_epoch = min(samples // plan.global_batch, plan.steps_per_epoch)

@@ -1,7 +1,8 @@
 """Each rank's share of the data, served as whole batches indexed out of in-memory tensors.
 
-Training uses DistributedSampler's index order (shuffled per epoch with `set_epoch`, padded so every rank gets
-the same number of batches); a partial last batch is dropped so the global batch never changes. Evaluation
+Training uses DistributedSampler's index order (shuffled per epoch, padded so every rank gets the same number of
+batches; train/data/order.py, which also deals it out to another world size); a partial last batch is dropped so
+the global batch never changes. Evaluation
 shards the data without padding, so no sample is counted twice (see `train.evaluate`). On a GPU, sets that fit
 stay on the device (`stage`).
 """
@@ -11,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DistributedSampler
 
 from train.config import DataConfig
 from train.data.device import PinnedCopies, copy_pinned
+from train.data.order import GlobalOrder
 from train.data.seeds import _mix, _mix_int
 from train.data.sets import Datasets, TensorData
 from train.data.source import EvalShare, PositionFromStep, most_batches, strided_share
@@ -44,35 +45,31 @@ def augment(images: torch.Tensor, indices: torch.Tensor, seed: int, epoch: int, 
 
 
 class TrainBatches(PositionFromStep):
-    """One rank's training batches for any epoch, from any position within it (for exact resume)."""
+    """One rank's training batches for any epoch, from any position within it (for exact resume), in the order of
+    `order` (train/data/order.py: DistributedSampler's at the run's own world size)."""
 
     def __init__(
         self,
         data: TensorData,
-        batch_size: int,
-        rank: int,
-        world_size: int,
+        order: GlobalOrder,
         seed: int,
         use_augment: bool,
         device: torch.device,
         memory_format: torch.memory_format = torch.contiguous_format,
     ):
         self.data = data
-        self.batch_size = batch_size
+        self.order = order
         self.seed = seed
         self.use_augment = use_augment
         self.device = device
         self.copies = PinnedCopies(device)  # batches of a host data set to the GPU (unused otherwise)
         self.memory_format = memory_format
-        self.sampler = DistributedSampler(range(len(data)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
-        self.batches_per_epoch = len(self.sampler) // batch_size
+        self.batches_per_epoch = order.batches_per_epoch
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield (images, labels) on the device for batches start, start+1, ... of `epoch`."""
-        self.sampler.set_epoch(epoch)
-        order = torch.tensor(list(self.sampler), dtype=torch.long).to(self.data.images.device)
-        for b in range(start, self.batches_per_epoch):
-            idx = order[b * self.batch_size : (b + 1) * self.batch_size]
+        for indices in self.order.micro_batches(epoch, start):
+            idx = torch.tensor(indices, dtype=torch.long).to(self.data.images.device)
             images = self.data.images[idx]
             if self.use_augment:
                 images = augment(images, idx, self.seed, epoch)

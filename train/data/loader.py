@@ -1,7 +1,7 @@
 """Any map-style torch Dataset, served by a real DataLoader: worker processes, pinned memory, prefetching.
 
-The order is DistributedSampler's (shuffled per epoch with `set_epoch`, padded so every rank gets the same number
-of batches; a partial last batch is dropped), the same as the in-memory path's for a data set of the same size.
+The order is DistributedSampler's (shuffled per epoch, padded so every rank gets the same number of batches; a
+partial last batch is dropped; train/data/order.py), the same as the in-memory path's for a data set of the same size.
 A resumed run starts at the saved batch of the epoch without replaying the ones before.
 
 Randomness: every sample is loaded with the global generators (torch, random, numpy) seeded from (seed, epoch,
@@ -17,9 +17,10 @@ import os
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from train.data.device import to_device
+from train.data.order import GlobalOrder
 from train.data.seeds import preserved_generators, sample_seed, seed_generators
 from train.data.source import EvalShare, PositionFromStep, most_batches, strided_share
 from train.config import DataConfig
@@ -50,22 +51,19 @@ class SeededSamples(Dataset):
         return self.dataset[index]
 
 
-class EpochSampler(Sampler):
-    """This rank's keys (epoch, index) for one epoch, from a given batch on."""
+class EpochBatches(Sampler):
+    """This rank's micro-batches of keys (epoch, index) for one epoch, from a given batch on (a batch sampler)."""
 
-    def __init__(self, size: int, batch_size: int, rank: int, replicas: int, seed: int):
-        self.order = DistributedSampler(range(size), num_replicas=replicas, rank=rank, shuffle=True, seed=seed)
-        self.batch_size = batch_size
-        self.batches = len(self.order) // batch_size
+    def __init__(self, order: GlobalOrder):
+        self.order = order
         self.epoch, self.start = 0, 0
 
     def __len__(self) -> int:
-        return (self.batches - self.start) * self.batch_size
+        return self.order.batches_per_epoch - self.start
 
     def __iter__(self):
-        self.order.set_epoch(self.epoch)
-        indices = list(self.order)[self.start * self.batch_size : self.batches * self.batch_size]
-        return iter([(self.epoch, i) for i in indices])
+        for indices in self.order.micro_batches(self.epoch, self.start):
+            yield [(self.epoch, i) for i in indices]
 
 
 def default_collate(samples: list):
@@ -119,13 +117,12 @@ def batches_of(loader: DataLoader) -> Iterator:
 class LoaderBatches(PositionFromStep):
     """One rank's training batches from a map-style data set, for any epoch, from any batch within it."""
 
-    def __init__(self, dataset: Dataset, cfg: DataConfig, rank: int, replicas: int, seed: int, device: torch.device,
+    def __init__(self, dataset: Dataset, cfg: DataConfig, order: GlobalOrder, seed: int, device: torch.device,
                  memory_format: torch.memory_format = torch.contiguous_format):
-        self.sampler = EpochSampler(len(dataset), cfg.batch_size, rank, replicas, seed)
-        self.batches_per_epoch = self.sampler.batches
+        self.sampler = EpochBatches(order)
+        self.batches_per_epoch = order.batches_per_epoch
         self.device, self.memory_format = device, memory_format
-        self.loader = DataLoader(SeededSamples(dataset, seed), batch_size=cfg.batch_size, sampler=self.sampler,
-                                 drop_last=True, **loader_options(cfg, device))
+        self.loader = DataLoader(SeededSamples(dataset, seed), batch_sampler=self.sampler, **loader_options(cfg, device))
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator:
         self.sampler.epoch, self.sampler.start = epoch, start

@@ -29,13 +29,26 @@ def describe_schedule(scheduler, cfg) -> str:
     return repr(factor) if own_repr else str(cfg.optim.schedule["_target_"])
 
 
+def describe_batch(cfg, plan: Plan) -> str:
+    """How the global batch is made: per rank, replicas, accumulation; an elastic run away from trainer.nodes says
+    how it deals the same global batch out to the ranks it has (train/data/order.py)."""
+    if not plan.reference_world or plan.reference_world == plan.world_size:
+        return f"{cfg.data.batch_size} x {plan.replicas} replicas x {plan.accumulate} accumulation" + \
+            (f"; elastic: kept from {cfg.trainer.min_nodes} to {cfg.trainer.nodes} nodes" if plan.reference_world else "")
+    share = plan.global_batch // plan.replicas
+    shares = f"{share}" if not plan.global_batch % plan.replicas else f"{share + 1} or {share}"
+    return (f"elastic: trainer.nodes' {plan.reference_world} processes' global batch on {plan.world_size}: {shares} "
+            f"samples per replica in {plan.accumulate} micro-batch{'es' if plan.accumulate > 1 else ''} of up to "
+            f"{cfg.data.batch_size}, the same samples per step and the same lr schedule")
+
+
 def describe_plan(cfg, plan: Plan, layout, scheduler, device: torch.device, world_size: int,
                   resumed_at: int | None) -> str:
     """The plan line: world, batch, lr and its schedule, steps; `resumed_at`: the step a resumed run starts from."""
     text = (
         f"plan: {plan.world_size} processes ({cfg.trainer.strategy}"
         f"{', ' + layout.describe() if layout.composite else ''}), global batch {plan.global_batch} "
-        f"({cfg.data.batch_size} x {plan.replicas} replicas x {cfg.trainer.accumulate} accumulation), lr {plan.lr:.4g}, "
+        f"({describe_batch(cfg, plan)}), lr {plan.lr:.4g}, "
         f"lr schedule: {describe_schedule(scheduler, cfg)}, {plan.steps_per_epoch} steps/epoch x {cfg.trainer.epochs} epochs = "
         f"{plan.total_steps} steps"
     )
