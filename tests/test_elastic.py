@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DistributedSampler
 
-from conftest import FAST, REPO, final_checkpoint, read_metrics, run_cli
+from conftest import FAST, REPO, final_checkpoint, run_cli
 from test_counting import MASKED
 
 from train.config import TrainConfig
