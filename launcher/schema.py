@@ -24,6 +24,7 @@ class LauncherConfig:
     rdzv_endpoint: str = ""  # HOST:PORT of the first node's rendezvous; required when trainer.nodes > 1 (one node: a free port)
     rdzv_id: str = ""  # rendezvous id shared by the nodes of one run; empty derives it from the run directory
     rdzv_timeout_s: int = 900  # how long nodes wait for each other at the rendezvous
+    rdzv_keep_alive_s: int = 5  # each node's agent beats this often; 3 missed beats and the rendezvous takes the node for lost (torch's keep_alive_interval): an elastic run goes on without a lost node that much sooner with less
     rdzv_last_call_s: int = 30  # elastic (trainer.min_nodes): once the fewest nodes are there, how long a round waits for more (torch's last_call_timeout)
     monitor_interval_s: float = 0.1  # how often the agent checks on its workers (torchrun's default)
     shutdown_timeout_s: int = 60  # on SIGTERM/Ctrl-C, how long workers get to save before they are killed

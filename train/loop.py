@@ -228,7 +228,9 @@ def fit(run: Run) -> Outcome:
     console.close()
     metrics.close()
     if stopped:
-        console.print(f"stopped at step {progress.step} with a checkpoint; run the same command again to resume")
+        console.print(f"stopped at step {progress.step} with a checkpoint; run the same command again to resume" +
+                      (" (when a node joins, an elastic run's ranks stop so and start again at once)"
+                       if plan.reference_world else ""))
         if says_end:
             # with the signal, where rank 0 had it: the exit code of a node whose launcher was not signalled
             # (launcher/backends/local.py stopped_elsewhere)

@@ -50,7 +50,7 @@ from launcher.backends.network import hold_free_port
 from train.dist import ROUND_ENV
 from train.fault_tolerance import REPLICA_GROUP_ENV
 from train.finite import NONFINITE_EXIT_CODE
-from train.observe.status import stopped_since
+from train.observe.status import stopped_since, write_status
 from train.observe.watchdog import HANG_EXIT_CODE
 
 # The agent turns these into SignalException and forwards them to the workers, which save and stop (torchrun's
@@ -215,13 +215,16 @@ class Agent(LocalElasticAgent):
         # torch stops workers here to restart them: after a failure (reported by `_monitor_workers`), or, while they
         # train well, for another node that restarted its own (or joins). Not the stop a signal makes (`_shutdown`).
         self.restarting = True
-        if self.last_state == WorkerState.HEALTHY and self._pcontext and self._pcontext.wait(0) is None:
+        membership = self.last_state == WorkerState.HEALTHY and self._pcontext and self._pcontext.wait(0) is None
+        if membership:
             print(f"another node restarted its workers (or a node joins): this node's stop and start again with "
                   f"every node's, not counted as a restart; {resumes()}", file=sys.stderr, flush=True)
         try:
             super()._stop_workers(worker_group, *args, **kwargs)
         finally:
             self.restarting = False
+        if membership and self.run_dir is not None:  # the ranks' stop wrote "stopped" (SIGTERM); the run goes on
+            write_status(self.run_dir, "running")
 
     def stopped_elsewhere(self) -> bool:
         """Whether the run was stopped (status.json, since this agent started) while this node's workers ended well:

@@ -81,7 +81,8 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
         # join_timeout bounds the wait for the other nodes (torch's c10d rendezvous reads it; "timeout" alone left
         # its default, 600 s); "timeout" is what this launcher's own messages and torch's store read.
         rdzv_configs={"join_timeout": cfg.launcher.rdzv_timeout_s, "timeout": cfg.launcher.rdzv_timeout_s,
-                      "last_call_timeout": cfg.launcher.rdzv_last_call_s},
+                      "last_call_timeout": cfg.launcher.rdzv_last_call_s,
+                      "keep_alive_interval": cfg.launcher.rdzv_keep_alive_s},
         max_restarts=cfg.launcher.max_restarts,
         monitor_interval=cfg.launcher.monitor_interval_s,
         # Where the agent keeps each attempt's error files (a failed rank's traceback); stdout stays on the console.

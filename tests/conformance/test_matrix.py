@@ -73,13 +73,19 @@ MODES = {
     "fsdp": ["trainer.strategy=fsdp"],
     "replicas": ["trainer.fault_tolerance=replicas", "trainer.replica_groups=2"],
 }
-CONDITIONS = ("stop", "kill", "freeze", "fail", "lost")
+CONDITIONS = ("stop", "kill", "freeze", "fail", "lost", "elastic")
 
 NOT_APPLICABLE = {
     ("local", "lost"): "one node: losing it is losing the run (its processes gone is the kill cell); two nodes by "
                        "rendezvous: the nodes row",
     ("slurm", "lost"): "the test cluster's two nodes are one host's slurmd processes: SLURM's own NODE_FAIL and "
                        "requeue cannot be produced here",
+    ("local", "elastic"): "one node: an elastic world is nodes that leave and join (the nodes row)",
+    ("slurm", "elastic"): "not in this version: a lost node restarts the job at its size (launcher=slurm refuses "
+                          "trainer.min_nodes)",
+    ("ray", "elastic"): "not in this version: a lost node restarts the job at its size (launcher=ray refuses "
+                        "trainer.min_nodes)",
+    ("replicas", "elastic"): "replica groups train on without a lost group: trainer.min_nodes is refused with them",
 }
 # What CI runs: each condition and each mode at least once, each backend's cheapest cells.
 # (A local rank killed, a local rank failing, a replica group killed: tests/test_faults.py and
@@ -88,6 +94,7 @@ CI_CELLS = {
     ("local", "ddp", "stop"), ("local", "fsdp", "freeze"), ("local", "replicas", "stop"), ("local", "replicas", "freeze"),
     ("slurm", "ddp", "freeze"), ("slurm", "ddp", "fail"), ("slurm", "replicas", "fail"),
     ("ray", "ddp", "lost"), ("ray", "ddp", "fail"), ("ray", "replicas", "fail"), ("nodes", "ddp", "lost"),
+    ("nodes", "fsdp", "elastic"),
 }
 
 
@@ -391,10 +398,15 @@ CELLS = [(b, m, c) for b in BACKENDS for m in MODES for c in CONDITIONS]
 RESULTS: dict[tuple, str] = {}
 
 
+def not_applicable(backend: str, mode: str, condition: str) -> str | None:
+    """Why a cell cannot apply (NOT_APPLICABLE, by backend or by mode), or None."""
+    return NOT_APPLICABLE.get((backend, condition)) or NOT_APPLICABLE.get((mode, condition))
+
+
 def cell_marks(cell):
     backend, mode, condition = cell
-    if (backend, condition) in NOT_APPLICABLE:
-        return pytest.mark.skip(reason=f"n/a: {NOT_APPLICABLE[(backend, condition)]}")
+    if not_applicable(*cell):
+        return pytest.mark.skip(reason=f"n/a: {not_applicable(*cell)}")
     if cell not in CI_CELLS and os.environ.get("MATRIX") != "all":
         return pytest.mark.skip(reason="the whole matrix: MATRIX=all")
     return []
@@ -564,6 +576,30 @@ def lost(backend: Backend, mode: str, run_dir: Path, reference) -> None:
         assert_weights(final_checkpoint(run_dir), reference(mode), f"{backend.name} {mode}: a node lost")
 
 
+def elastic(backend: Backend, mode: str, run_dir: Path, reference) -> None:
+    """trainer.min_nodes=1 of 2: n2's processes gone, n1 trains on alone with the same global batch; n2 started
+    again joins at the next step boundary (n1's ranks save and both start at 2); the weights are the fixed run's."""
+    overrides = [*MODES[mode], "trainer.min_nodes=1", "launcher.max_restarts=2", "launcher.rdzv_last_call_s=1",
+                 "launcher.rdzv_keep_alive_s=1"]
+    first = backend.start(run_dir, overrides, SLOWER)
+    act_when_training(first)
+    try:
+        backend.lose_node(first)
+        wait_for(lambda: "global batch on 1: 32 samples per replica" in backend.output(first), timeout=120,
+                 what="n1 training alone", poll=0.5)
+        alone = max(logged_steps(run_dir))
+    finally:
+        backend.return_node(first)
+    ended = backend.wait(first)
+    text = backend.output(first)
+    no_shadow(text)
+    assert ended == backend.finished, f"ended {ended!r}\n{text[-4000:]}"
+    assert "a node joins): this node's stop and start again with every node's, not counted as a restart" in text
+    assert "the world changed from 1 to 2 processes since the checkpoint" in text, text[-4000:]
+    assert max(logged_steps(run_dir)) > alone  # it went on after the loss, then grew back
+    assert_weights(final_checkpoint(run_dir), reference(mode), f"{backend.name} {mode}: 2 -> 1 -> 2 nodes")
+
+
 @pytest.mark.parametrize("cell", [pytest.param(c, id="-".join(c), marks=cell_marks(c)) for c in CELLS])
 def test_cell(cell, tmp_path, reference):
     backend_name, mode, condition = cell
@@ -598,7 +634,7 @@ def table(request):
     lines = [f"{'backend':8} {'mode':9} " + " ".join(f"{c:8}" for c in CONDITIONS)]
     for backend in BACKENDS:
         for mode in MODES:
-            row = [RESULTS.get((backend, mode, c), "n/a" if (backend, c) in NOT_APPLICABLE else "-") for c in CONDITIONS]
+            row = [RESULTS.get((backend, mode, c), "n/a" if not_applicable(backend, mode, c) else "-") for c in CONDITIONS]
             lines.append(f"{backend:8} {mode:9} " + " ".join(f"{r:8}" for r in row))
     # printed in the run's summary (tests/conftest.py pytest_terminal_summary): a write from here is captured
     request.config.stash[MATRIX_TABLE] = "conformance matrix (- not run):\n" + "\n".join(lines)
@@ -607,4 +643,5 @@ def table(request):
 def test_the_matrix_names_every_cell_once():
     assert len(CELLS) == len(BACKENDS) * len(MODES) * len(CONDITIONS) == len(set(CELLS))
     assert CI_CELLS <= set(CELLS)
-    assert {c for (_, c) in NOT_APPLICABLE} <= set(CONDITIONS) and {b for (b, _) in NOT_APPLICABLE} <= set(BACKENDS)
+    assert {c for (_, c) in NOT_APPLICABLE} <= set(CONDITIONS)
+    assert {b for (b, _) in NOT_APPLICABLE} <= set(BACKENDS) | set(MODES)
