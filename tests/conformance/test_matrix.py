@@ -73,7 +73,7 @@ MODES = {
     "fsdp": ["trainer.strategy=fsdp"],
     "replicas": ["trainer.fault_tolerance=replicas", "trainer.replica_groups=2"],
 }
-CONDITIONS = ("stop", "kill", "freeze", "fail", "lost", "elastic")
+CONDITIONS = ("stop", "kill", "freeze", "fail", "lost", "elastic", "elastic_frozen")
 
 NOT_APPLICABLE = {
     ("local", "lost"): "one node: losing it is losing the run (its processes gone is the kill cell); two nodes by "
@@ -87,6 +87,9 @@ NOT_APPLICABLE = {
                         "trainer.min_nodes)",
     ("replicas", "elastic"): "replica groups train on without a lost group: trainer.min_nodes is refused with them",
 }
+for _key, _why in list(NOT_APPLICABLE.items()):  # a node frozen whole: where a node lost is n/a, so is this
+    if _key[1] == "elastic":
+        NOT_APPLICABLE[(_key[0], "elastic_frozen")] = _why
 # What CI runs: each condition and each mode at least once, each backend's cheapest cells.
 # (A local rank killed, a local rank failing, a replica group killed: tests/test_faults.py and
 # tests/test_fault_tolerance.py, with assertions of their own.)
@@ -252,6 +255,15 @@ class Nodes(Backend):
 
     def return_node(self, launch):
         self.start_node(launch, "n2")
+
+    def freeze_node(self, launch) -> list[int]:
+        """n2's processes stopped whole (SIGSTOP), as a machine that hangs without closing its sockets: its pids."""
+        n2 = launch.extra["nodes"]["n2"]
+        frozen = [n2.pid, *descendants(n2.pid)]
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        return frozen
 
 
 class Slurm(Backend):
@@ -598,6 +610,34 @@ def elastic(backend: Backend, mode: str, run_dir: Path, reference) -> None:
     assert "the world changed from 1 to 2 processes since the checkpoint" in text, text[-4000:]
     assert max(logged_steps(run_dir)) > alone  # it went on after the loss, then grew back
     assert_weights(final_checkpoint(run_dir), reference(mode), f"{backend.name} {mode}: 2 -> 1 -> 2 nodes")
+
+
+def elastic_frozen(backend: Backend, mode: str, run_dir: Path, reference) -> None:
+    """trainer.min_nodes=1 of 2: n2 frozen whole (its launcher too: no beat reaches the rendezvous); n1's hang watch
+    ends its rank, the rendezvous takes n2 for lost and n1 trains on alone; the operator then kills the frozen node
+    and starts it again, and it joins; the weights are the fixed run's."""
+    overrides = [*MODES[mode], "trainer.min_nodes=1", "launcher.max_restarts=2", "launcher.rdzv_last_call_s=1",
+                 "launcher.rdzv_keep_alive_s=1", "trainer.hang_timeout_s=3"]
+    first = backend.start(run_dir, overrides, SLOWER)
+    act_when_training(first)
+    frozen = backend.freeze_node(first)
+    try:
+        wait_for(lambda: "global batch on 1: 32 samples per replica" in backend.output(first), timeout=120,
+                 what="n1 training alone", poll=0.5)
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launch_n2 = first.extra["nodes"]["n2"]
+        launch_n2.wait()
+        backend.return_node(first)
+    ended = backend.wait(first)
+    text = backend.output(first)
+    no_shadow(text)
+    assert ended == backend.finished, f"ended {ended!r}\n{text[-4000:]}"
+    assert "no progress for" in text and "trainer.hang_timeout_s=3" in text  # the survivor's hang watch said why
+    assert "the world changed from 1 to 2 processes since the checkpoint" in text, text[-4000:]
+    assert_weights(final_checkpoint(run_dir), reference(mode), f"{backend.name} {mode}: n2 frozen, then back")
 
 
 @pytest.mark.parametrize("cell", [pytest.param(c, id="-".join(c), marks=cell_marks(c)) for c in CELLS])
