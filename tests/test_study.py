@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import FAST, run_cli, wait_for
+from conftest import FAST, final_checkpoint, run_cli, wait_for
 from omegaconf import OmegaConf
 
 # A tiny job (1 process, 2 epochs of 512 synthetic samples) searched over lr (log scale) and the batch.
@@ -101,3 +101,35 @@ def test_a_search_space_a_study_cannot_sample_is_refused_with_the_fix(tmp_path):
                    f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert proc.returncode != 0
     assert "a study samples choice(...), range(...) or interval(a, b)" in proc.stderr
+
+
+def test_a_pruner_stops_a_trial_whose_evaluations_fall_behind_as_a_stop_signal_stops_a_run(tmp_path):
+    """The median pruner reads each trial's evaluations as the run writes them (every 4 steps here; each step made
+    40 ms longer so that a trial lasts seconds, and the ranks agree on a stop every 0.5 s): a trial with the useless lr falls below the median of the trials
+    before it, and is stopped there with a checkpoint; its status says pruned, and the study goes on."""
+    from conftest import FAULTS_DIR
+
+    sweep_dir = tmp_path / "sweep"
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")) if p),
+           "STEP_DELAY_MS": "40"}
+    # The random sampler's seed 6 asks the good lr first, then useless ones (the pruner compares with finished trials)
+    words = [w for w in STUDY[:-2] if not w.startswith("hydra.sweeper.seed=")]
+    proc = run_cli("launcher", *words, "optim.lr=choice(0.3, 0.00001, 0.00002, 0.00003)", "data.batch_size=16",
+                   "trainer.eval_every_steps=4", "trainer.stop_check_s=0.5", "hydra.sweeper.sampler=random",
+                   "hydra.sweeper.seed=6",
+                   "hydra.sweeper.n_trials=4",
+                   "hydra.sweeper.pruner=median", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    states = [t.state.name for t in trials(sweep_dir)]
+    assert len(states) == 4 and "PRUNED" in states and "COMPLETE" in states, states
+    pruned = [t for t in trials(sweep_dir) if t.state.name == "PRUNED"]
+    assert all(t.params["optim.lr"] < 0.001 for t in pruned)  # a useless lr, never the good one
+    rows = {r["point"]: r for r in csv.DictReader((sweep_dir / "summary.csv").open())}
+    stopped = [r for r in rows.values() if r["status"] == "pruned"]  # a run directory per set of values
+    assert stopped and len(stopped) == len({t.params["optim.lr"] for t in pruned})
+    for run_dir in (sweep_dir / r["point"] for r in stopped):
+        said = json.loads((run_dir / "status.json").read_text())
+        assert said["status"] == "stopped" and said["pruned"]["after_eval_at_step"] >= 4
+        assert said["step"] < 64  # stopped early, at a step boundary, with its checkpoint
+        assert final_checkpoint(run_dir)["step"] == said["step"]
+    assert "pruned after its evaluation at step" in proc.stdout

@@ -120,7 +120,8 @@ def fit(run: Run) -> Outcome:
     hosts = distributed.gather_to_main(socket.gethostname(), run.control)  # where each rank runs, for the record
     if env.writes:
         record = {**plan.to_dict(), "hosts": hosts, "threads_per_process": torch.get_num_threads(),
-                  "master_addr": os.environ.get("MASTER_ADDR")}  # where the ranks met (an address every node reaches)
+                  "master_addr": os.environ.get("MASTER_ADDR"),  # where the ranks met (an address every node reaches)
+                  **dict(zip(("monitor", "mode"), monitored(run)))}  # what a study's pruner reads in the evaluations
         if cfg.trainer.compile:
             record["compile_workers_per_process"] = torch._inductor.config.compile_threads
         (run.run_dir / PLAN_FILE).write_text(json.dumps(record, indent=2) + "\n")

@@ -17,13 +17,24 @@ values (the same run directory: it resumes from its checkpoint), and the sampler
 the best trial, its values and the command that reruns it are printed and written (`best_trial.yaml`), beside the
 optimisation history and the parameters' importances as PNG files.
 
+With `hydra.sweeper.pruner=median` (or `hyperband`) each trial's evaluations are reported to Optuna's pruner as the
+run writes them (RUN_DIR/metrics.jsonl, the metric named in RUN_DIR/plan.json); a trial the pruner stops is stopped
+as a stop signal stops a run: its ranks get SIGTERM, save a checkpoint at their step boundary and end, its status
+says "pruned" in the sweep's summary, and the next trial starts.
+
 Trials run one after another on this machine's backend (launcher=local); a backend that submits and returns
 (SLURM, Ray) needs launcher.wait=true for its trials to be scored.
 """
 
 
+import contextlib
+import json
 import math
+import os
 import shlex
+import signal
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +59,8 @@ class OptunaSweeperConf:
     seed: int | None = None  # the sampler's seed: the same seed asks the same values in the same order
     direction: str = "auto"  # maximize | minimize | auto: the run's checkpoint.mode (or its task's)
     study_name: str = "study"
+    pruner: str = "none"  # none | median | hyperband: stop a trial early from its evaluations as they are written
+    pruner_warmup_steps: int = 0  # median: evaluations at steps up to this one never prune
     params: dict[str, str] = field(default_factory=dict)  # the search space in the config: {key: "interval(0, 1)"}
 
 
@@ -113,11 +126,130 @@ def score(run_dir: Path) -> float | None:
     return float(value)
 
 
+def pruner_of(name: str, warmup_steps: int):
+    import optuna
+
+    pruners = {"none": optuna.pruners.NopPruner, "hyperband": optuna.pruners.HyperbandPruner,
+               "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=warmup_steps)}
+    if name not in pruners:
+        raise ValueError(f"hydra.sweeper.pruner={name}: give none, median or hyperband")
+    return pruners[name]()
+
+
+def _children(root: int) -> list[int]:
+    """The processes below `root` (read from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            parents.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for pid in parents.get(todo.pop(), []):
+            found.append(pid)
+            todo.append(pid)
+    return found
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (/proc's SigCgt): a rank takes SIGTERM as a stop once its
+    trainer listens for it; before, the signal would end it unsaved."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
+class TrialWatch:
+    """A running trial's evaluations, reported to the study's pruner as its run writes them (a thread beside the
+    launch). A pruned trial's ranks (this process's descendants running its config snapshot) get SIGTERM, the stop
+    signal: they save at their step boundary and end, and the launch returns."""
+
+    def __init__(self, trial, sweep_dir: Path, overrides: list[str], every_s: float = 0.5):
+        self.trial, self.sweep_dir, self.overrides = trial, sweep_dir, sorted(overrides)
+        self.pruned_at: int | None = None
+        self.run_dir: Path | None = None
+        self.reported: set[int] = set()
+        self.signalled: set[int] = set()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, args=(every_s,), name="trial-watch", daemon=True)
+
+    def __enter__(self) -> "TrialWatch":
+        self.started = time.time()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+        if self.pruned_at is None:  # the evaluations written since the last look: the pruner's history is the whole
+            self._look(act=False)  # run's; a run that ended is not pruned after the fact
+
+    def _watch(self, every_s: float) -> None:
+        while not self.done.wait(every_s):
+            if self.pruned_at is None:
+                self._look()
+            else:  # until the launch returns: ranks still starting (a resumed run) get it once they are there
+                self._stop_ranks()
+
+    def _find(self) -> Path | None:
+        """The trial's run directory: the one under the sweep whose Hydra record holds its overrides."""
+        for record in self.sweep_dir.glob("*/.hydra/overrides.yaml"):
+            try:
+                if record.stat().st_mtime >= self.started - 1 and sorted(OmegaConf.load(record)) == self.overrides:
+                    return record.parent.parent
+            except (OSError, ValueError):
+                continue
+        return None
+
+    def _look(self, act: bool = True) -> None:
+        from train.observe.metrics import read_records
+
+        self.run_dir = self.run_dir or self._find()
+        if self.run_dir is None:
+            return
+        try:
+            monitor = json.loads((self.run_dir / "plan.json").read_text())["monitor"]
+        except (OSError, ValueError, KeyError):
+            return  # not started training yet
+        for record in read_records(self.run_dir):
+            step, value = record.get("step"), record.get(monitor)
+            if record.get("kind") != "eval" or step in self.reported or not isinstance(value, (int, float)):
+                continue
+            self.reported.add(step)
+            self.trial.report(float(value), step)
+            if act and self.trial.should_prune():
+                self.pruned_at = step
+                return
+
+    def _stop_ranks(self) -> None:
+        snapshot = str(self.run_dir / "config.yaml").encode()
+        for pid in set(_children(os.getpid())) - self.signalled:
+            try:
+                command = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if snapshot not in command or b"train" not in command or not _catches(pid, signal.SIGTERM):
+                continue  # not a rank of the trial (python -P -m train SNAPSHOT), or one still starting: it would die
+            self.signalled.add(pid)  # once: a second SIGTERM would stop it at once, without its checkpoint
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
 class OptunaSweeper(Sweeper):
     def __init__(self, n_trials: int, sampler: str, seed: int | None, direction: str, study_name: str,
-                 params: dict[str, str]):
+                 params: dict[str, str], pruner: str = "none", pruner_warmup_steps: int = 0):
         self.n_trials, self.sampler_name, self.seed = n_trials, sampler, seed
         self.direction, self.study_name, self.params = direction, study_name, dict(params or {})
+        self.pruner_name, self.pruner_warmup_steps = pruner, pruner_warmup_steps
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -138,7 +270,7 @@ class OptunaSweeper(Sweeper):
         storage = None if planning else JournalStorage(JournalFileBackend(str(sweep_dir / STUDY_FILE)))
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.create_study(study_name=self.study_name, storage=storage, direction=direction,
-                                    load_if_exists=True)
+                                    load_if_exists=True, pruner=pruner_of(self.pruner_name, self.pruner_warmup_steps))
         # A study continued after its sweeper ended: the seed moves on by the trials already asked, or the sampler
         # would ask the first trials' values again (its random start repeats with the same seed).
         seed = None if self.seed is None else self.seed + len(study.trials)
@@ -166,7 +298,7 @@ class OptunaSweeper(Sweeper):
             study.enqueue_trial(trial.params, skip_if_exists=False)
             study.tell(trial.number, state=TrialState.FAIL)
         returns, index, failed = [], len(study.trials), 0
-        while len(study.get_trials(states=(TrialState.COMPLETE,))) < self.n_trials:
+        while len(study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))) < self.n_trials:
             if failed >= self.n_trials:  # a space where nothing finishes (a crash, a bad value) is not searched on
                 raise RuntimeError(f"hydra/sweeper=optuna: {failed} trials in a row did not finish with a score; "
                                    f"their run directories under {sweep_dir} say why (python -m launcher.sweep "
@@ -174,10 +306,18 @@ class OptunaSweeper(Sweeper):
             trial = study.ask(space)
             overrides = [*fixed, *(f"{key}={_override_value(value)}" for key, value in trial.params.items())]
             self.validate_batch_is_legal([overrides])
-            [result] = self.launcher.launch([overrides], initial_job_idx=index)
+            with TrialWatch(trial, sweep_dir, overrides) if self.pruner_name != "none" and not planning \
+                    else contextlib.nullcontext() as watch:
+                [result] = self.launcher.launch([overrides], initial_job_idx=index)
             index += 1
             returns.append(result)
             run_dir = Path(result.hydra_cfg.hydra.runtime.output_dir)
+            if watch is not None and watch.pruned_at is not None:
+                failed = 0
+                self._mark_pruned(run_dir, watch.pruned_at)
+                study.tell(trial, state=TrialState.PRUNED)
+                print(f"trial {trial.number}: pruned after its evaluation at step {watch.pruned_at}  {' '.join(overrides)}")
+                continue
             value = score(run_dir)
             if planning:  # a dry run plans one trial's run: the study itself needs real runs
                 study.tell(trial, state=TrialState.FAIL)
@@ -194,6 +334,15 @@ class OptunaSweeper(Sweeper):
             print(f"trial {trial.number}: {value:.6g}  {' '.join(overrides)}")
         self._report(study, fixed, sweep_dir, optuna)
         return returns
+
+    @staticmethod
+    def _mark_pruned(run_dir: Path, step: int) -> None:
+        """The stopped run's status.json says it was pruned (the sweep's summary shows it), keeping the rest."""
+        from train.observe.status import read_status, write_status
+
+        said = read_status(run_dir)
+        write_status(run_dir, said.pop("status", "stopped"), **{k: v for k, v in said.items() if k != "time"},
+                     pruned={"after_eval_at_step": step})
 
     def _report(self, study, fixed: list[str], sweep_dir: Path, optuna) -> None:
         best = study.best_trial

@@ -45,7 +45,7 @@ def summarize_point(run_dir: Path) -> dict:
     timed = [r["time"] for r in records if "time" in r]
     return {
         "point": run_dir.name,
-        "status": read_status(run_dir).get("status", "not started"),
+        "status": "pruned" if read_status(run_dir).get("pruned") else read_status(run_dir).get("status", "not started"),
         "overrides": " ".join(overrides),
         "global_batch": plan.get("global_batch"),
         "final_acc": evals[-1].get("acc") if evals else None,  # tasks without accuracy (regression) leave it empty
