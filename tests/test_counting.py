@@ -209,3 +209,16 @@ def test_a_replica_groups_logged_loss_is_its_batch_mean_not_divided_by_every_gro
         assert meter.reduce(global_batch=16, replicas=1, loss_replicas=1)["loss"] == pytest.approx(6.27)  # no groups
     finally:
         dist.destroy_process_group()
+
+
+def test_a_model_with_batch_norm_says_at_start_that_splitting_the_batch_changes_it():
+    from train.build import batch_statistics_note
+    from train.models.vision import mlp, resnet18
+
+    net = resnet18(channels=3, image_size=32, num_classes=10, width=8)
+    note = batch_statistics_note(net, replicas=2, accumulate=1, elastic=False)
+    assert note and "BatchNorm layer(s)" in note and "2 replica(s) x 1 micro-batch(es)" in note
+    assert "2 x B differs from 1 x 2B" in note and "SyncBatchNorm" in note
+    assert "elastic" in batch_statistics_note(net, replicas=1, accumulate=1, elastic=True)
+    assert batch_statistics_note(net, replicas=1, accumulate=1, elastic=False) is None  # nothing is split
+    assert batch_statistics_note(mlp(channels=1, image_size=8, num_classes=10, hidden=[8]), 4, 2, True) is None

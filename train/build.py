@@ -61,6 +61,19 @@ def build_task_and_model(cfg: TrainConfig):
     return task, model, recipes
 
 
+def batch_statistics_note(model: nn.Module, replicas: int, accumulate: int, elastic: bool) -> str | None:
+    """The line a model with BatchNorm layers gets where its global batch is split (over replicas, micro-batches or
+    an elastic world's ranks): its statistics are each piece's, so splitting the batch changes the training."""
+    norms = [name for name, module in model.named_modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]
+    if not norms or (replicas == 1 and accumulate == 1 and not elastic):
+        return None
+    return (f"{type(model).__name__} has {len(norms)} BatchNorm layer(s) ({norms[0]}, ...): their statistics are each "
+            f"micro-batch's on each rank ({replicas} replica(s) x {accumulate} micro-batch(es) here), so this run is "
+            f"not the one-process run of the same global batch to 1e-5 (2 x B differs from 1 x 2B"
+            f"{'; a change of world in an elastic run changes the split' if elastic else ''}). On GPUs, "
+            f"torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) in the model's build computes them over every rank.")
+
+
 def checkpoint_blocks(model: nn.Module) -> None:
     """trainer.activation_checkpointing: each block (train.models.vision.blocks) keeps only its input for the backward
     and recomputes its activations there (torch.utils.checkpoint, non-reentrant: the same random numbers, so the

@@ -116,6 +116,23 @@ def check_scores_shape(cfg: Config, task, output, targets, problems: list[str]) 
     problems.append(text)
 
 
+def check_token_targets(cfg: Config, task, targets, problems: list[str]) -> None:
+    """A language model's targets are token ids at every position, [N, T]: one label per sample (an image set's)
+    would train as a classifier and be reported as a perplexity."""
+    from train.tasks import LanguageModeling
+
+    if not isinstance(task, LanguageModeling) or not isinstance(targets, torch.Tensor):
+        return
+    if targets.dim() >= 2 and not targets.is_floating_point():
+        return
+    kind = "floats" if targets.is_floating_point() else "one label per sample"
+    problems.append(f"task=language_modeling predicts a token at every position: its targets are token ids of shape "
+                    f"[N, T] (and the model's logits [N, T, V]), but data.train ({cfg.data.train['_target_']}) gives "
+                    f"targets of shape {list(targets.shape)} ({kind}). For one label per sample use "
+                    f"task=classification; for a model that computes its own loss, task=model_loss; for text, "
+                    f"data=tokens (+experiment=gpt_tiny).")
+
+
 def check_labels(cfg: Config, task, output, train, problems: list[str]) -> None:
     """A classifier's labels against its output's width: every label of a built-in set (or of a set with a
     `targets` list, torchvision's convention), the first LABELS_READ samples' otherwise."""
@@ -215,6 +232,7 @@ def check_one_batch(cfg: Config, problems: list[str]) -> None:
         with torch.no_grad():
             output = model_call(task)(model, inputs)
             check_scores_shape(cfg, task, output, targets, problems)  # shapes: on the meta device too
+            check_token_targets(cfg, task, targets, problems)
             if len(problems) > before:
                 return
             if small:  # real values: a label the output cannot score is named, not an IndexError in the loss

@@ -196,6 +196,9 @@ MISTAKES = [
      ["the URL holds credentials", "give the bucket alone (s3://bucket/prefix)"]),
     ("store-of-an-unknown-scheme", ["checkpoint.store=nosuch://bucket/run"],
      ["checkpoint.store=nosuch://bucket/run: Protocol not known", "give an fsspec URL"]),
+    ("language-modeling-on-images", ["task=language_modeling"],
+     ["task=language_modeling predicts a token at every position", "targets of shape [", "(one label per sample)",
+      "use task=classification"]),
     # --- an elastic world (issue 63) -------------------------------------------------------------------------------
     ("elastic-more-than-the-nodes", ["trainer.nodes=2", "trainer.min_nodes=3", "launcher.rdzv_endpoint=localhost:29731",
                                      "launcher.max_restarts=1"],
