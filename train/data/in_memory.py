@@ -9,6 +9,7 @@ stay on the device (`stage`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -68,8 +69,12 @@ class TrainBatches(PositionFromStep):
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield (images, labels) on the device for batches start, start+1, ... of `epoch`."""
-        for indices in self.order.micro_batches(epoch, start):
-            idx = torch.tensor(indices, dtype=torch.long).to(self.data.images.device)
+        micro = list(self.order.micro_batches(epoch, start))
+        # One copy of the epoch's indices to the data's device, sliced per batch: no host-to-device copy per step
+        every = torch.tensor(list(itertools.chain.from_iterable(micro)), dtype=torch.long).to(self.data.images.device)
+        ends = list(itertools.accumulate(len(m) for m in micro))
+        for begin, end in zip([0, *ends[:-1]], ends):
+            idx = every[begin:end]
             images = self.data.images[idx]
             if self.use_augment:
                 images = augment(images, idx, self.seed, epoch)
