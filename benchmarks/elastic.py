@@ -33,6 +33,7 @@ from datetime import date
 from pathlib import Path
 
 from benchmarks.overhead import REPO, machine
+from train.host import descendants
 from train.observe.metrics import read_records
 
 
@@ -43,22 +44,6 @@ def node(name: str, hosts: Path, command: list[str], log: Path, env: dict) -> su
         return subprocess.Popen(["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", script,
                                  *command], cwd=log.parent, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
-
-
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = Path(f"/proc/{entry}/stat").read_text()
-                except OSError:
-                    continue
-                if int(stat[stat.rindex(")") + 2:].split()[1]) == parent:
-                    found.append(int(entry))
-                    todo.append(int(entry))
-    return found
 
 
 def wait_until(condition, timeout: float, what: str) -> None:

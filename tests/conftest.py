@@ -18,6 +18,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from train.host import descendants  # noqa: F401  (the tests' name for it)
 import torch
 from file_seconds import longest_first, measured
 
@@ -247,24 +249,6 @@ def signalled_launch(overrides: list[str], run_dir, cwd, sig: int = signal.SIGTE
             kill_leftovers(proc, run_dir)
     print(out, err)
     return proc, out, err
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children, theirs, ...), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
 
 
 def process_named(name: str, under: int) -> int | None:

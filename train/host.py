@@ -137,3 +137,22 @@ def name_process(name: bytes) -> None:
     """The name `ps -e`, top and /proc/PID/comm show (Linux; the command line stays what the process started as)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, theirs, ...), read from /proc (Linux); [] elsewhere."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found

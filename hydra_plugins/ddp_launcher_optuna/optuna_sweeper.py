@@ -136,24 +136,6 @@ def pruner_of(name: str, warmup_steps: int):
     return pruners[name]()
 
 
-def _children(root: int) -> list[int]:
-    """The processes below `root` (read from /proc)."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            parents.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for pid in parents.get(todo.pop(), []):
-            found.append(pid)
-            todo.append(pid)
-    return found
-
-
 def _catches(pid: int, signum: int) -> bool:
     """Whether process `pid` has a handler for `signum` (/proc's SigCgt): a rank takes SIGTERM as a stop once its
     trainer listens for it; before, the signal would end it unsaved."""
@@ -229,8 +211,10 @@ class TrialWatch:
                 return
 
     def _stop_ranks(self) -> None:
+        from train.host import descendants
+
         snapshot = str(self.run_dir / "config.yaml").encode()
-        for pid in set(_children(os.getpid())) - self.signalled:
+        for pid in set(descendants(os.getpid())) - self.signalled:
             try:
                 command = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
             except OSError:
