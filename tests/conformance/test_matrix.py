@@ -602,14 +602,21 @@ def elastic(backend: Backend, mode: str, run_dir: Path, reference) -> None:
         alone = max(logged_steps(run_dir))
     finally:
         backend.return_node(first)
-    ended = backend.wait(first)
-    text = backend.output(first)
+    text = grown_back(backend, first, mode, run_dir, reference, "2 -> 1 -> 2 nodes")
+    assert "a node joins): this node's stop and start again with every node's, not counted as a restart" in text
+    assert max(logged_steps(run_dir)) > alone  # it went on after the loss, then grew back
+
+
+def grown_back(backend: Backend, launch: Launch, mode: str, run_dir: Path, reference, what: str) -> str:
+    """An elastic run that lost a node and grew back: it finished, resumed at 2 processes from 1, with the fixed
+    run's weights; its output."""
+    ended = backend.wait(launch)
+    text = backend.output(launch)
     no_shadow(text)
     assert ended == backend.finished, f"ended {ended!r}\n{text[-4000:]}"
-    assert "a node joins): this node's stop and start again with every node's, not counted as a restart" in text
     assert "the world changed from 1 to 2 processes since the checkpoint" in text, text[-4000:]
-    assert max(logged_steps(run_dir)) > alone  # it went on after the loss, then grew back
-    assert_weights(final_checkpoint(run_dir), reference(mode), f"{backend.name} {mode}: 2 -> 1 -> 2 nodes")
+    assert_weights(final_checkpoint(run_dir), reference(mode), f"{backend.name} {mode}: {what}")
+    return text
 
 
 def elastic_frozen(backend: Backend, mode: str, run_dir: Path, reference) -> None:
@@ -631,13 +638,8 @@ def elastic_frozen(backend: Backend, mode: str, run_dir: Path, reference) -> Non
         launch_n2 = first.extra["nodes"]["n2"]
         launch_n2.wait()
         backend.return_node(first)
-    ended = backend.wait(first)
-    text = backend.output(first)
-    no_shadow(text)
-    assert ended == backend.finished, f"ended {ended!r}\n{text[-4000:]}"
+    text = grown_back(backend, first, mode, run_dir, reference, "n2 frozen, then back")
     assert "no progress for" in text and "trainer.hang_timeout_s=3" in text  # the survivor's hang watch said why
-    assert "the world changed from 1 to 2 processes since the checkpoint" in text, text[-4000:]
-    assert_weights(final_checkpoint(run_dir), reference(mode), f"{backend.name} {mode}: n2 frozen, then back")
 
 
 @pytest.mark.parametrize("cell", [pytest.param(c, id="-".join(c), marks=cell_marks(c)) for c in CELLS])
