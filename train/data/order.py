@@ -56,9 +56,3 @@ class GlobalOrder:
             step, micro = divmod(index, self.accumulate)
             mine = order[step * self.global_batch:(step + 1) * self.global_batch][self.rank::self.replicas]
             yield mine[micro * len(mine) // self.accumulate:(micro + 1) * len(mine) // self.accumulate]
-
-    @property
-    def even(self) -> bool:
-        """Whether every micro-batch of every rank holds as many samples (the reference world's case): then a rank's
-        own count is every rank's, and the step's loss needs no count across ranks."""
-        return self.global_batch % (self.replicas * self.accumulate) == 0
