@@ -20,6 +20,7 @@ from conftest import (FAST, REPO, final_checkpoint, fault_env, kill_leftovers, l
                       signalled_launch, wait_for)
 from test_ddp_identity import IDENTITY, RESUME
 from train.observe.status import read_status
+from train.checkpoint import committed
 
 # Every piece of resumable state is in play (AdamW, dropout, augmentation, accumulation, clipping).
 # A stop is agreed within stop_check_s of the signal: these runs last a second.
@@ -411,7 +412,9 @@ def test_a_second_ctrl_c_stops_the_workers_at_once(tmp_path):
         proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                 env={**os.environ, **fault_env("hang", rank=0, step=10)})
         try:
-            wait_for(lambda: any(s >= 8 for s in logged_steps(run_dir)), timeout=120, what="training to reach the hang")
+            # Step 8 logged is not step 8 saved: wait for its checkpoint's commit, the state the status must name
+            wait_for(lambda: [c.step for c in committed(run_dir / "checkpoints")][-1:] == [8], timeout=120,
+                     what="the checkpoint of step 8 before the hang")
             proc.send_signal(signal.SIGINT)
             wait_for(lambda: "SIGINT: the workers save a checkpoint" in stderr_path.read_text(), timeout=30,
                      what="the launcher to pass the first SIGINT on")
