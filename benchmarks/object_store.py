@@ -109,7 +109,7 @@ def step_times(mb: int, url: str, scratch: Path, steps: int = 200) -> dict:
     while len(during) < steps:
         manager.save(state, n)  # the local write (not timed: the training stands still for it today as well)
         n += 1
-        while manager.uploads.busy and manager.uploads.pending is not None and not manager.uploads.pending.done():
+        while manager.mirror.in_flight:
             during.append(step())
         uploads += 1
     manager.close()
@@ -155,10 +155,10 @@ def rank_sends(world: int, rank: int, total_mb: int, scratch: Path) -> dict:
             return _original(*args, **kwargs)
 
         setattr(dist, name, counting)
-    import train.checkpoint.manager as manager_module
+    import train.checkpoint.mirror as mirror_module
     import train.dist as dist_module
 
-    for module in (manager_module, dist_module):
+    for module in (mirror_module, dist_module):
         module.dist = dist
     path = scratch / "checkpoints" / "step_00000001"
     path.mkdir(parents=True)
@@ -173,7 +173,7 @@ def rank_sends(world: int, rank: int, total_mb: int, scratch: Path) -> dict:
         (path / dcp.MANIFEST).write_text(json.dumps({"commit": 0, "step": 1, "files": mine}))
     manager = CheckpointManager(scratch / "checkpoints", CheckpointConfig(store=f"file://{scratch}/store"),
                                 is_writer=rank == 0, group=dist.group.WORLD)
-    manager._upload_dir(path, mine, {"commit": 0, "step": 1}, best=False)
+    manager.mirror.upload_dir(path, mine, {"commit": 0, "step": 1}, best=False)
     dist.destroy_process_group()
     return {"world": world, "rank": rank, **sent}
 

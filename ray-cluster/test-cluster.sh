@@ -45,10 +45,12 @@ case "${1:-}" in
   install)
     # The project's dependencies, and its packages as links to this checkout (the same code, as an editable install
     # gives, without building metadata in the checkout while .ci/run's own install does; not the checkout itself on
-    # the path, which `python -m launcher` takes off it when run from there). torchft: replica groups.
+    # the path, which `python -m launcher` takes off it when run from there). torchft: replica groups; the s3 extra:
+    # checkpoint.store on S3 (the nodes' own s3fs: a node without it cannot reach the store).
     python3 -m venv "$VENV"
     mapfile -t deps < <(python3 -c 'import sys, tomllib
-print(*tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"], sep="\n")' "$REPO/pyproject.toml")
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print(*project["dependencies"], *project["optional-dependencies"]["s3"], sep="\n")' "$REPO/pyproject.toml")
     "$VENV/bin/pip" install -q torch==2.13.0 'ray[default]==2.60.0' 'torchft==0.2.0' "${deps[@]}"
     mkdir -p "$VENV/checkout"
     ln -sfn "$REPO/launcher" "$VENV/checkout/launcher"

@@ -61,10 +61,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_share_one_run_directory_and_the_first_says_what_it_waits_for(tmp_path):
+def test_two_nodes_share_one_run_directory_and_the_first_says_what_it_waits_for(tmp_path, bucket):
+    """... and keep their sharded checkpoints in an S3 store as well: each node's rank uploads the shard it wrote."""
     hosts = hosts_file(tmp_path)
     run_dir, port = tmp_path / "run", free_port()
-    overrides = [*RUN, f"launcher.rdzv_endpoint=n1:{port}", "launcher.rdzv_timeout_s=120", f"hydra.run.dir={run_dir}"]
+    store = ["checkpoint.format=dcp", "checkpoint.every_steps=10", f"checkpoint.store={bucket}/rendezvous"]
+    overrides = [*RUN, *store, f"launcher.rdzv_endpoint=n1:{port}", "launcher.rdzv_timeout_s=120",
+                 f"hydra.run.dir={run_dir}"]
     logs = {name: tmp_path / f"{name}.log" for name in ("n1", "n2")}
     with nodes([]) as procs:
         with open(logs["n1"], "w") as log:
@@ -84,6 +87,10 @@ def test_two_nodes_share_one_run_directory_and_the_first_says_what_it_waits_for(
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["world_size"] == 2 and sorted(plan["hosts"]) == ["n1", "n2"]  # one rank on each node
     assert final_checkpoint(run_dir)["step"] == 20
+    from train.checkpoint.store import Store
+
+    stored = Store(f"{bucket}/rendezvous").committed()
+    assert [r.step for r in stored] == [10, 20] and {"__0_0.distcp", "__1_0.distcp"} <= set(stored[-1].files)
 
 
 def test_a_second_launch_of_the_same_node_is_refused(tmp_path):

@@ -145,6 +145,22 @@ def test_a_rank_that_cannot_reach_the_store_stops_with_what_to_give_it(tmp_path,
         CheckpointManager(tmp_path / "checkpoints", CheckpointConfig(store="s3://bucket/run"), is_writer=True)
 
 
+def test_a_node_without_the_stores_file_system_stops_with_what_to_install(tmp_path, monkeypatch):
+    """The launcher's machine has s3fs (checked before start), a node of the cluster has not: its rank says what to
+    install where, instead of fsspec's ImportError deep in a traceback (seen on the Ray test cluster)."""
+    import fsspec.registry  # noqa: F401 (the module: fsspec's own `registry` attribute is a read-only view of it)
+
+    from train.checkpoint.file import CheckpointSaveError
+    from train.checkpoint.manager import CheckpointManager
+    from train.config import CheckpointConfig
+
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # `import s3fs` raises ImportError
+    monkeypatch.delitem(sys.modules["fsspec.registry"]._registry, "s3", raising=False)  # not the class this process already loaded
+    with pytest.raises(CheckpointSaveError, match=r"checkpoint.store=s3://bucket/run cannot be opened on .*Install "
+                                                  r"it in the environment the ranks run in on every node \(pip install s3fs"):
+        CheckpointManager(tmp_path / "checkpoints", CheckpointConfig(store="s3://bucket/run"), is_writer=True)
+
+
 # --- whole runs --------------------------------------------------------------------------------------------------
 
 def test_a_fresh_machine_resumes_from_the_store_alone_bitwise(bucket, tmp_path, one_process_batch_32):
@@ -217,7 +233,7 @@ def stalled_upload(s3, store: Store, run_dir: Path, tmp_path: Path, *overrides: 
             wait_for(lambda: store.fs.exists(store.key("config.yaml")), timeout=120, what="step 8's upload")
             os.kill(s3["process"].pid, signal.SIGSTOP)
             try:
-                wait_for(lambda: "waiting for the upload to" in err_path.read_text(), timeout=120,
+                wait_for(lambda: "waiting for the upload of step 16 to" in err_path.read_text(), timeout=120,
                          what="the save of step 24 to wait for the upload of step 16")
                 assert [c.step for c in committed(run_dir / "checkpoints")][-1] == 16
                 yield proc, err_path, lambda: os.kill(s3["process"].pid, signal.SIGCONT)
@@ -273,34 +289,68 @@ def test_a_stop_during_a_stalled_upload_waits_for_it_and_commits_it_when_the_ser
         assert record.files[local[record.step].name]["sha256"] == read_sidecar(local[record.step])[0]
 
 
-class Throttle:
-    """A TCP proxy in front of the S3 server that passes each direction on at about `bytes_per_s` (a slow network
-    or a throttled endpoint, as the client sees it): `url` is its endpoint."""
+def test_a_stop_cut_short_by_the_shutdown_timeout_says_what_stands_and_the_next_start_uploads_it(s3, bucket, tmp_path):
+    """The stop's wait for a stalled upload outlasts launcher.shutdown_timeout_s: the rank is killed. It said before
+    what stands then (the disk holds step 16, the store step 8), and the same command, once the server answers
+    again, uploads step 16 before it trains on."""
+    url, run_dir = f"{bucket}/cut", tmp_path / "run"
+    store = Store(url)
+    with stalled_upload(s3, store, run_dir, tmp_path, "launcher.shutdown_timeout_s=3") as (proc, err_path, resume):
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+        err = err_path.read_text()
+        print(err)
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert committed(run_dir / "checkpoints")[-1].step == 16
+        assert (f"waiting for the upload of step 16 to {url} to finish; if this rank is ended first, the checkpoint "
+                f"stays committed in {run_dir / 'checkpoints'} and the next start there uploads it (the store's newest "
+                f"committed: step 8)") in err
+        resume()
+        assert [r.step for r in store.committed()] == [8]  # what of step 16 arrived is not a checkpoint
+        again = train(tmp_path, run_dir, "trainer.procs_per_node=1", "data.batch_size=32", f"checkpoint.store={url}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "the store lacks step_00000016.pt: uploading it before training goes on" in again.stderr
+    assert [r.step for r in store.committed()] == [8, 16, 24]
 
-    def __init__(self, upstream: str, bytes_per_s: int):
+
+class Link:
+    """A TCP proxy in front of the S3 server, as the client's network sees it: `url` is its endpoint. It passes each
+    direction on at about `bytes_per_s` (a slow network or a throttled endpoint), and `cut` ends every connection
+    and refuses new ones (the server gone, as in a restart) until `restore`. `seen(pattern)` is true once the
+    client sent `pattern` (a key in a request line: the upload of that object has begun)."""
+
+    def __init__(self, upstream: str, bytes_per_s: int = 0):
         from urllib.parse import urlsplit
 
         target = urlsplit(upstream)
         self.target, self.bytes_per_s = (target.hostname, target.port), bytes_per_s
+        self.sent, self.sockets, self.lock = b"", set(), threading.Lock()
         self.listener = socket.create_server(("127.0.0.7", 0))
-        self.url = f"http://127.0.0.7:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.port = self.listener.getsockname()[1]
+        self.url = f"http://127.0.0.7:{self.port}"
+        threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
-                client, _ = self.listener.accept()
+                client, _ = listener.accept()
             except OSError:
                 return
             server = socket.create_connection(self.target)
+            with self.lock:
+                self.sockets |= {client, server}
             for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(a, b, a is client), daemon=True).start()
 
-    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
-        chunk = 4096
+    def _pipe(self, source: socket.socket, sink: socket.socket, from_client: bool) -> None:
+        chunk = 4096 if self.bytes_per_s else 65536
         try:
             while data := source.recv(chunk):
-                time.sleep(len(data) / self.bytes_per_s)  # the link's pace, not a wait for an event
+                if from_client:
+                    with self.lock:
+                        self.sent = (self.sent + data)[-16_000_000:]
+                if self.bytes_per_s:
+                    time.sleep(len(data) / self.bytes_per_s)  # the link's pace, not a wait for an event
                 sink.sendall(data)
         except OSError:
             pass
@@ -309,15 +359,82 @@ class Throttle:
                 with contextlib.suppress(OSError):
                     end.shutdown(socket.SHUT_RDWR)
 
-    def close(self) -> None:
+    def seen(self, pattern: bytes) -> int:
+        """How often the client sent `pattern` (in its last 16 MB)."""
+        with self.lock:
+            return self.sent.count(pattern)
+
+    def cut(self) -> None:
         self.listener.close()
+        with self.lock:
+            ends, self.sockets = self.sockets, set()
+        for end in ends:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+                end.close()
+
+    def restore(self) -> None:
+        self.listener = socket.create_server(("127.0.0.7", self.port))
+        threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
+
+    def close(self) -> None:
+        self.cut()
+
+
+def same_bytes_as_the_disk(records, run_dir: Path) -> None:
+    from train.checkpoint.file import read_sidecar
+
+    local = {c.step: c.path for c in committed(run_dir / "checkpoints")}
+    for record in records:
+        assert record.files[local[record.step].name]["sha256"] == read_sidecar(local[record.step])[0]
+
+
+def test_a_store_gone_mid_upload_and_back_loses_no_commit_and_the_next_ones_are_whole(s3, bucket, tmp_path):
+    """Every connection to the store ends while step 16's upload is on its way, and new ones are refused (the
+    server restarting), until the rank has said what became of that upload. Training never stops; whatever of step
+    16 arrived is no checkpoint unless committed whole; step 24 is uploaded and committed after the server is back,
+    and every commit holds the disk's bytes."""
+    link = Link(s3["env"]["AWS_ENDPOINT_URL"], 200_000)  # slow enough to be cut mid-upload (0.2 MB per checkpoint)
+    url, run_dir = f"{bucket}/restarted", tmp_path / "run"
+    store = Store(url)
+    command = [sys.executable, "-m", "launcher", *IDENTITY, "checkpoint.every_steps=8", "trainer.procs_per_node=1",
+               "data.batch_size=32", f"checkpoint.store={url}", f"hydra.run.dir={run_dir}"]
+    err_path = tmp_path / "stderr.txt"
+    said = ("the upload of step_00000016.pt to", "waiting for the upload of step 16 to")
+    try:
+        with open(err_path, "w") as err_file, subprocess.Popen(
+                command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err_file, text=True,
+                env={**os.environ, "AWS_ENDPOINT_URL": link.url, "STEP_DELAY_MS": "100",
+                     "PYTHONPATH": str(Path(__file__).parent / "faults")}) as proc:
+            try:
+                request = b"/restarted/step_00000016.pt/step_00000016.pt"
+                wait_for(lambda: link.seen(request), timeout=120, what="the upload of step 16 to begin")
+                link.cut()
+                wait_for(lambda: any(line in err_path.read_text() for line in said), timeout=120,
+                         what="the rank to say what became of the upload of step 16")
+                link.restore()
+                proc.communicate(timeout=300)
+            finally:
+                kill_leftovers(proc, run_dir)
+    finally:
+        link.close()
+    err = err_path.read_text()
+    print(err)
+    assert proc.returncode == 0
+    # s3fs sent step 16 again once the server was back, or the upload failed and said so (the next one is whole)
+    assert link.seen(request) >= 2 or "the upload of step_00000016.pt to" in err
+    records = store.committed()
+    assert [r.step for r in records][-1] == 24 and 8 in [r.step for r in records]
+    same_bytes_as_the_disk(records, run_dir)
+    for record in records:  # each downloads whole: the record names only what arrived
+        store.download(record, tmp_path / "check" / record.name)
 
 
 def test_a_throttled_store_slows_the_saves_to_its_pace_and_every_commit_is_whole(s3, bucket, tmp_path):
     """Uploads through a link of ~100 kB/s take longer than the steps between saves: each save waits for the upload
     before it (saying so), the store never falls more than one checkpoint behind, and every commit there holds the
     disk's bytes."""
-    throttle = Throttle(s3["env"]["AWS_ENDPOINT_URL"], 100_000)
+    throttle = Link(s3["env"]["AWS_ENDPOINT_URL"], 100_000)
     url, run_dir = f"{bucket}/throttled", tmp_path / "run"
     try:
         proc = train(tmp_path, run_dir, "trainer.procs_per_node=1", "data.batch_size=32", f"checkpoint.store={url}",
@@ -325,11 +442,7 @@ def test_a_throttled_store_slows_the_saves_to_its_pace_and_every_commit_is_whole
     finally:
         throttle.close()
     assert proc.returncode == 0
-    assert "waiting for the upload to" in proc.stderr
+    assert "waiting for the upload of step" in proc.stderr
     records = Store(url).committed()
     assert [r.step for r in records] == [8, 16, 24]
-    local = {c.step: c.path for c in committed(run_dir / "checkpoints")}
-    from train.checkpoint.file import read_sidecar
-
-    for record in records:
-        assert record.files[local[record.step].name]["sha256"] == read_sidecar(local[record.step])[0]
+    same_bytes_as_the_disk(records, run_dir)

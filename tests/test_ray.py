@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAULTS_DIR, IDENTITY, REPO, cluster_started, final_checkpoint, logged_steps, run_cli, shared_lock
+from conftest import CREDENTIALS, FAULTS_DIR, IDENTITY, REPO, cluster_started, final_checkpoint, logged_steps, run_cli, shared_lock
 from conftest import wait_for
 
 ADDRESS = os.environ.get("RAY_ADDRESS", "http://127.0.0.2:8265")
@@ -77,19 +77,33 @@ def assert_same_weights(a: dict, b: dict, atol: float = 1e-6) -> None:
 SHADOW = "import sys\nprint('the project\\'s own {name} ran', file=sys.stderr)\nsys.exit(3)\n"
 
 
-def test_a_two_node_run_through_ray_equals_the_same_world_run_locally(cluster, tmp_path, two_process_ddp):
+def test_a_two_node_run_through_ray_equals_the_same_world_run_locally(cluster, bucket, tmp_path, two_process_ddp):
     """Launched from a project with its own train.py and launcher.py (uploaded with the job, first on Ray's
-    PYTHONPATH): our trainer runs, theirs never does (they replaced ours: the job failed three times)."""
+    PYTHONPATH): our trainer runs, theirs never does (they replaced ours: the job failed three times). Its
+    checkpoints go to an S3 store too, reached by the nodes through a credentials file the job names, never with
+    keys in the job's environment (Ray's job list shows it to whoever may list jobs)."""
     for name in ("train.py", "launcher.py"):
         (tmp_path / name).write_text(SHADOW.format(name=name))
-    run_dir = tmp_path / "run"
+    credentials = tmp_path / "aws-credentials"  # as on a cluster's shared file system
+    credentials.write_text(f"[default]\naws_access_key_id = {CREDENTIALS['AWS_ACCESS_KEY_ID']}\n"
+                           f"aws_secret_access_key = {CREDENTIALS['AWS_SECRET_ACCESS_KEY']}\n")
+    run_dir, url = tmp_path / "run", f"{bucket}/ray"
     ddp_launch = Path(sys.executable).parent / "ddp-launch"  # python -m launcher here would run their launcher.py
-    proc = subprocess.run([str(ddp_launch), *JOB, "launcher.wait=true", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ADDRESS})
+    proc = subprocess.run([str(ddp_launch), *JOB, "launcher.wait=true", "checkpoint.every_steps=8",
+                           f"checkpoint.store={url}", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RAY_ADDRESS": ADDRESS, "AWS_SHARED_CREDENTIALS_FILE": str(credentials)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (job_id,) = submitted(proc.stdout)
     assert f"Ray job {job_id} ended: SUCCEEDED; the run is finished" in proc.stdout
     assert_same_weights(final_checkpoint(run_dir), final_checkpoint(two_process_ddp))
+    from launcher.backends.ray import client
+    from train.checkpoint.store import Store
+
+    assert [r.step for r in Store(url).committed()] == [8, 16, 24]
+    job_env = client(ADDRESS).get_job_info(job_id).runtime_env["env_vars"]
+    assert job_env["AWS_SHARED_CREDENTIALS_FILE"] == str(credentials)
+    assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & job_env.keys()
     # The ranks met at node 0's IP, as Ray knows it (a KubeRay pod's FQDN resolves nowhere), not at a looked-up name
     assert json.loads((run_dir / "plan.json").read_text())["master_addr"] in ("127.0.0.2", "127.0.0.3")
     status = jobs("status", str(run_dir), cwd=REPO)  # not beside their launcher.py

@@ -32,8 +32,10 @@ ALWAYS_EXCLUDED = (".git", ".venv", "venv", "__pycache__", "runs", "multirun", "
 PASSED_ENV = ("NCCL_", "GLOO_", "TORCH_", "WANDB_", "MLFLOW_", "HF_")
 # checkpoint.store's endpoint and region, not its keys: Ray keeps a job's variables in its job list, where anyone
 # who may list jobs reads them. The cluster's nodes reach the store with credentials of their own (an instance role,
-# a profile or variables set where the cluster starts).
-PASSED_STORE_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE")
+# a profile or variables set where the cluster starts), or from the files these variables name (a path in the job
+# list, never the keys: the nodes read the file, from a file system they share).
+PASSED_STORE_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE",
+                    "AWS_CONFIG_FILE")
 
 
 def ray_address(cfg: Config) -> str:

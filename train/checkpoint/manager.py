@@ -13,10 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
 import pickle
-import shutil
-import socket
 from pathlib import Path
 
 import torch.distributed as dist
@@ -25,10 +22,9 @@ from train.checkpoint import catalog, dcp, dcp_index, file
 from train.checkpoint.catalog import FORMATS, LEGACY, Committed
 from train.checkpoint.file import CheckpointDamaged, CheckpointSaveError
 from train.checkpoint.io import os_error, unwatched
+from train.checkpoint.mirror import Mirror
 from train.checkpoint.staging import BackgroundWriter, Stager
-from train.checkpoint.store import Record, Store, StoreDamaged, file_digest, unique_suffix
 from train.config import CheckpointConfig
-from train.contract import CONFIG_FILE
 from train.dist import broadcast_from_main, first_given, gather_to_main, patient
 
 log = logging.getLogger("train.checkpoint")
@@ -56,9 +52,9 @@ class CheckpointManager:
     `local_rank`: the first rank of each node (0) verifies a single file for its node, and downloads a checkpoint
     from the store for its node.
 
-    With `cfg.store` (a URL, train/checkpoint/store.py) every committed checkpoint is then uploaded in the background
-    (at most one upload in flight; `wait` finishes it too) and committed there by the writer's record, last; the
-    newest commit of the disk and the store together is the one that resumes."""
+    With `cfg.store` (a URL) its `mirror` (train/checkpoint/mirror.py) uploads every committed checkpoint in the
+    background (at most one upload in flight; `wait` finishes it too) and commits it there by the writer's record,
+    last; the newest commit of the disk and the store together is the one that resumes."""
 
     def __init__(self, directory: Path, cfg: CheckpointConfig, is_writer: bool, fmt: str = "file", group=None,
                  watchdog=Unwatched, local_rank: int = 0, lists: bool | None = None):
@@ -76,10 +72,7 @@ class CheckpointManager:
         self.next_commit = 0
         self.background = BackgroundWriter() if cfg.async_save else None
         self.stager = Stager()
-        self.store = Store(cfg.store) if cfg.store else None
-        self.uploads = BackgroundWriter() if self.store is not None else None
-        self.upload_failed: str | None = None  # why the newest upload did not commit (None: it did, or none yet)
-        self.config_uploaded = False
+        self.mirror = Mirror(cfg.store, directory, cfg.keep_last, is_writer, group, watchdog.io) if cfg.store else None
         if is_writer:
             directory.mkdir(parents=True, exist_ok=True)
             catalog.recover(directory)
@@ -91,24 +84,14 @@ class CheckpointManager:
         if not self.is_writer:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.is_writer = True
+            if self.mirror is not None:
+                self.mirror.is_writer = True
         self.next_commit = max(self.next_commit, self._newest_commit() + 1)
 
     def _newest_commit(self) -> int:
         """The highest commit number on the disk and in the store: a new commit is numbered above both."""
-        stored = self._stored() if self.store is not None else []
+        stored = self.mirror.committed() if self.mirror is not None else []
         return max((c.commit for c in [*self.committed(), *stored]), default=LEGACY)
-
-    def _stored(self) -> list[Record]:
-        """The store's commits; a store this process cannot list stops the run with what to fix (before training:
-        the writer lists it at start)."""
-        try:
-            return self.store.committed()
-        except Exception as error:  # noqa: BLE001 (botocore's and every fsspec backend's errors differ)
-            raise CheckpointSaveError(
-                f"checkpoint.store={self.store.url} cannot be listed from {socket.gethostname()}: "
-                f"{type(error).__name__}: {error}. The ranks reach the store with their own environment's credentials "
-                f"(for S3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or the node's instance role; "
-                f"AWS_ENDPOINT_URL for another S3 server): give them to the nodes that run the ranks.") from error
 
     @contextlib.contextmanager
     def waiting(self, what: str):
@@ -137,8 +120,8 @@ class CheckpointManager:
         if tensors is None:
             with self.waiting("waiting for rank 0 to write the checkpoint"):
                 self._write_file(state, step, meta, best)
-            if self.store is not None and self.is_writer:
-                self.uploads.submit(self._upload_file, file.SingleFile.path(self.directory, step), meta, best)
+            if self.mirror is not None and self.is_writer:
+                self.mirror.submit_file(file.SingleFile.path(self.directory, step), meta, best)
             return
         path = dcp.StepDirectory.path(self.directory, step)
         if self.is_writer:
@@ -147,8 +130,8 @@ class CheckpointManager:
         if self.background is None:
             with self.waiting("writing a sharded checkpoint"):
                 mine = self._write_dir(tensors, state, own, path, meta, best)
-            if self.store is not None:
-                self.uploads.submit(self._upload_dir, path, mine, meta, best)
+            if self.mirror is not None:
+                self.mirror.submit_dir(path, mine, meta, best)
         else:
             staged = self.stager.stage(tensors)  # the training stalls for this copy only
             self.background.submit(self._write_and_upload_dir, staged, state, own, path, meta, best)
@@ -159,24 +142,18 @@ class CheckpointManager:
         if self.background is not None and self.background.busy:
             with self.waiting("waiting for the checkpoint being written"):
                 self.background.wait()
-        if self.uploads is not None and self.uploads.busy:
-            if not self.uploads.pending.done():  # a wait that may be long (a slow or stalled store) is said
-                log.info("waiting for the upload to %s to finish", self.store.url)
-            with self.waiting(f"waiting for the upload to {self.store.url}"):
-                self.uploads.wait()
+        if self.mirror is not None and self.mirror.uploads.busy:
+            with self.waiting(f"waiting for the upload to {self.mirror.url}"):
+                self.mirror.wait()
 
     def close(self) -> None:
-        """Finish what is in flight. A run whose newest checkpoint did not reach the store ends with an error that
-        says so (its disk holds it; the next start uploads it)."""
+        """Finish what is in flight; a run whose newest checkpoint did not reach the store ends with an error that
+        says so (Mirror.close)."""
         self.wait()
         if self.background is not None:
             self.background.close()
-        if self.uploads is not None:
-            self.uploads.close()
-        if self.upload_failed is not None and self.is_writer:
-            raise CheckpointSaveError(
-                f"the newest checkpoint did not reach checkpoint.store={self.store.url}: {self.upload_failed}. It is "
-                f"committed in {self.directory}; run the same command again on this machine: it uploads it first.")
+        if self.mirror is not None:
+            self.mirror.close()
 
     def _write_file(self, state: dict, step: int, meta: dict, best: bool) -> None:
         if self.is_writer:
@@ -193,8 +170,8 @@ class CheckpointManager:
                               best: bool) -> None:
         """An asynchronous save: written, then uploaded, by the one background thread (at most one in flight)."""
         mine = self._write_dir(tensors, state, own, path, meta, best)
-        if self.store is not None:
-            self._upload_dir(path, mine, meta, best)
+        if self.mirror is not None:
+            self.mirror.upload_dir(path, mine, meta, best)
 
     def _write_dir(self, tensors: dict, state: dict, own: dict | None, path: Path, meta: dict,
                    best: bool) -> dict[str, dict]:
@@ -228,116 +205,6 @@ class CheckpointManager:
             dist.barrier(group=self.group)  # every rank's save ends when the step is committed
         return mine
 
-    # --- the store ----------------------------------------------------------------------------------------------
-
-    def _upload_file(self, path: Path, meta: dict, best: bool) -> None:
-        """The writer uploads a committed single file and its sidecar, then commits them in the store."""
-        digest, _ = file.read_sidecar(path)
-        files = {path.name: {"size": path.stat().st_size, "sha256": digest},
-                 file.sidecar(path).name: file_digest(file.sidecar(path))}
-        self._uploaded(self._upload(path.parent, path.name, files), meta, best, path.name, "file", files)
-
-    def _upload_dir(self, path: Path, mine: dict[str, dict], meta: dict, best: bool) -> None:
-        """Every rank uploads the files it wrote of a committed step directory; the writer adds the manifest and,
-        once every rank's upload is done, commits them in the store (collective over `group`)."""
-        name = path.name
-        if self.is_writer:
-            self.store.forget(name)  # a step written again: its old record goes before any object is replaced
-        if dist.is_initialized():
-            dist.barrier(group=self.group)
-        manifest = {dcp.MANIFEST: file_digest(path / dcp.MANIFEST)} if self.is_writer else {}
-        problem = self._upload(path, name, {**mine, **manifest}, forget=False)
-        if dist.is_initialized():
-            rank = dist.get_rank(self.group)
-            problem = first_given(problem and f"rank {rank}: {problem}", self.group)
-        if self.is_writer:
-            files = {**dcp.read_manifest(path)["files"], **manifest}
-            self._uploaded(problem, meta, best, name, "dcp", files)
-
-    def _upload(self, source: Path, name: str, files: dict[str, dict], forget: bool = True) -> str | None:
-        """Upload `files` under `name`; what went wrong, or None. Any failure of the store (a network, its
-        credentials, a server error) is reported, never raised: the checkpoint on the disk stands."""
-        try:
-            if forget:
-                self.store.forget(name)
-            self.store.upload(source, name, files)
-        except Exception as error:  # noqa: BLE001 (botocore's and every fsspec backend's errors differ)
-            return f"{type(error).__name__}: {error}"
-        return None
-
-    def _uploaded(self, problem: str | None, meta: dict, best: bool, name: str, fmt: str, files: dict) -> None:
-        """The writer commits the upload in the store (or says why not), then prunes there as on the disk."""
-        record = Record(name, meta["commit"], meta["step"], fmt, files)
-        if problem is None:
-            try:
-                self.store.commit(record)
-                self.store.prune(self.cfg.keep_last)
-                if best:
-                    self.store.copy_best(record)
-            except Exception as error:  # noqa: BLE001 (as in _upload)
-                problem = f"{type(error).__name__}: {error}"
-        if problem is not None:
-            self.upload_failed = problem
-            log.warning("the upload of %s to %s failed (%s); it is committed on the disk, and the next save uploads "
-                        "its own", name, self.store.url, problem)
-            return
-        self.upload_failed = None
-        log.info("uploaded %s to %s (%.1f MB)", name, self.store.where(name), record.size / 1e6)
-        if not self.config_uploaded and (config := self.directory.parent / CONFIG_FILE).is_file():
-            # the run's resolved config beside its checkpoints: export reads the store alone (no credentials in it)
-            with contextlib.suppress(Exception):
-                self.store.fs.pipe_file(self.store.key(CONFIG_FILE), config.read_bytes())
-                self.config_uploaded = True
-
-    def _download(self, name: str) -> str | None:
-        """This node's copy of the store's checkpoint `name` in the directory (its first rank downloads it,
-        verified against the record); what is wrong with it, or None."""
-        record = self.store.record(name)
-        if record is None:
-            return f"{self.store.where(name)} is no longer committed"
-        self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.directory / f".{name}.{unique_suffix()}.download"
-        log.info("downloading %s (%.1f MB)", self.store.where(name), record.size / 1e6)
-        try:
-            self.store.download(record, tmp, self.watchdog.io)
-        except StoreDamaged as error:
-            shutil.rmtree(tmp, ignore_errors=True)
-            return str(error)
-        path = self.directory / name
-        if record.format == "file":
-            side = file.sidecar(path)
-            os.replace(tmp / side.name, side)  # the sidecar first: alone, it is an orphan that `recover` removes
-            os.replace(tmp / name, path)
-            shutil.rmtree(tmp)
-        elif dcp.read_manifest(path) is None or dcp.read_manifest(path).get("commit") != record.commit:
-            try:
-                dcp.publish(tmp, path)
-            except OSError:  # another node of a shared file system published the same one meanwhile
-                if (dcp.read_manifest(path) or {}).get("commit") != record.commit:
-                    raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        return None
-
-    def _catch_up(self, path: Path) -> None:
-        """The writer uploads the checkpoint it resumes from when the store lacks it (a run that ended before its
-        last upload finished): the store is never behind the disk for long."""
-        fmt = catalog.format_of(path)
-        stored = self.store.committed()
-        commit = fmt.commit_of(path)
-        if any(r.name == path.name and r.commit == commit for r in stored):
-            return
-        if stored and stored[-1].commit > commit:
-            return
-        meta = {"commit": commit, "step": int(fmt.pattern.match(path.name).group(1))}
-        log.info("the store lacks %s: uploading it before training goes on", path.name)
-        if fmt is dcp.StepDirectory:
-            files = dcp.read_manifest(path)["files"]
-            manifest = {dcp.MANIFEST: file_digest(path / dcp.MANIFEST)}
-            self._uploaded(self._upload(path, path.name, {**files, **manifest}), meta, False, path.name, "dcp",
-                           {**files, **manifest})
-        else:
-            self._upload_file(path, meta, False)
-
     def _after_commit(self, step: int, best: bool) -> None:
         catalog.prune(self.directory, self.cfg.keep_last)
         if best:
@@ -356,10 +223,8 @@ class CheckpointManager:
         if not self.is_writer:
             return
         self._mark_best_on_disk(step)
-        if self.store is not None:
-            stored = [r for r in self.store.committed() if r.step == step]
-            if stored:
-                self.store.copy_best(stored[-1])
+        if self.mirror is not None:
+            self.mirror.mark_best(step)
 
     def _mark_best_on_disk(self, step: int) -> None:
         mine = FORMATS[self.format]
@@ -381,17 +246,17 @@ class CheckpointManager:
         for name, stored in candidates:
             if stored:
                 with self.waiting(f"waiting for the download of {name}"):
-                    problem = self._agreed(self._download(name) if self.local_rank == 0 else None)
+                    problem = self._agreed(self.mirror.download(name) if self.local_rank == 0 else None)
                 if problem is not None:
                     if self.is_writer:
-                        self.store.set_aside(name, problem)
+                        self.mirror.set_aside(name, problem)
                     continue
             path = self.directory / name
             with self.waiting("waiting for every rank to check the checkpoint"):
                 problem, state = self._open_dir(path, rank, world_size) if path.is_dir() else self._open_file(path)
             if problem is None:
-                if self.store is not None and self.is_writer and not stored:
-                    self._catch_up(path)
+                if self.mirror is not None and self.is_writer and not stored:
+                    self.mirror.catch_up(path)
                 return state
             if self.is_writer:
                 catalog.move_aside(path, problem)
@@ -401,7 +266,7 @@ class CheckpointManager:
         """(name, in the store only) of every committed checkpoint of the disk and the store, newest commit first:
         the store's copy where it is newer than the disk's (or the disk has none, as on a fresh machine)."""
         newest = {c.path.name: (c.commit, False) for c in self.committed()}
-        for record in self._stored() if self.store is not None else []:
+        for record in self.mirror.committed() if self.mirror is not None else []:
             if record.name not in newest or record.commit > newest[record.name][0]:
                 newest[record.name] = (record.commit, True)
         ordered = sorted(newest.items(), key=lambda item: item[1][0], reverse=True)

@@ -22,7 +22,7 @@ def resume_state(ckpt: CheckpointManager, env: DistEnv) -> dict | None:
     fresh start. Each stream read is watched against checkpoint.io_timeout_s; waits on other ranks' reading are not
     hangs."""
     if env.writes and not ckpt.cfg.resume:
-        stored = ckpt.store.committed() if ckpt.store is not None else None
+        stored = ckpt.mirror.committed() if ckpt.mirror is not None else None
         refuse_fresh_start_over(ckpt.directory.parent, stored, ckpt.cfg.store)
     if not ckpt.cfg.resume:
         return None
