@@ -8,6 +8,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import yaml  # noqa: E402
 from hydra.errors import HydraException  # noqa: E402
 
 from launcher.checks.overrides import describe, explain  # noqa: E402
@@ -89,6 +90,22 @@ def compose_and_launch() -> None:
     except HydraException as error:  # composition: a missing key, a bad value, a config group that is not there
         print(f"error: {explain(error) or describe(error)}", file=sys.stderr)
         sys.exit(2)
+    except yaml.YAMLError as error:  # a config file of the user's that is not YAML (Hydra lets PyYAML's error through)
+        print(f"error: {unreadable_yaml(error)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def unreadable_yaml(error) -> str:
+    """Where a config file is not YAML, and what to do about the usual causes (a tab, an indentation)."""
+    mark = getattr(error, "problem_mark", None)
+    where = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "a config file"
+    problem = getattr(error, "problem", None) or str(error)
+    if "'\\t'" in problem:  # PyYAML shows a tab as '\t'
+        fix = "YAML indents with spaces, never tabs: replace the tab with spaces"
+    else:
+        fix = ("check the indentation there (each level by the same number of spaces, the keys of one mapping "
+               "aligned) and that a value holding ': ' or '#' is quoted")
+    return f"{where}: not valid YAML ({problem}); {fix}."
 
 
 if __name__ == "__main__":

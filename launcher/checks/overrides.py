@@ -108,4 +108,8 @@ def explain_unparsed(error: OverrideParseException) -> str:
         shown = ", ".join(repr(c) for c in odd)
         return (f"{key}: its value {value!r} holds {shown}, which Hydra's override grammar reads only inside quotes of "
                 f"its own: write it as '{key}=\"{value}\"' (the outer quotes for the shell, the inner for Hydra).")
+    if key and value.endswith(","):  # `key=0.1, 0.2`: the shell split the list at the space after its comma
+        return (f"{override!r} ends with a comma: the shell split the list at a space after it, and its next value "
+                f"became a word of its own. Write the values without spaces ({key}={value}...) or quote the whole "
+                f"override ('{key}={value} ...').")
     return f"{override!r} is not an override Hydra can read ({' '.join(str(error.message).split())}); write KEY=VALUE."

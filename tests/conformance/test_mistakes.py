@@ -49,6 +49,8 @@ FILES = {
     "my_results/metrics.jsonl": '{"mine": 1}\n',
     "a-file": "not a directory\n",
     "conf_own/config.yaml": "name: my_own_primary\n",
+    "conf/experiment/tabbed.yaml": "# @package _global_\ntrainer:\n\tmax_steps: 3\n",
+    "conf/experiment/misaligned.yaml": "# @package _global_\ntrainer:\n  max_steps: 3\n   epochs: 2\n",
 }
 VECTOR_RUN = ["--config-dir", "conf", "+experiment=vectors"]
 
@@ -189,6 +191,15 @@ MISTAKES = [
      ["launcher.numa_binding='nearest' is not one of none, node, socket, exclusive, core-complex"]),
     ("empty-sweep", ["-m", "data.batch_size=range(8,8)", "hydra.sweep.dir=multirun/empty"],
      ["the sweep has no points", "give each swept key at least one value"]),
+    ("list-split-by-a-space", ["-m", "optim.lr=0.1,", "0.2"],
+     ["'optim.lr=0.1,' ends with a comma: the shell split the list at a space after it",
+      "Write the values without spaces (optim.lr=0.1,...) or quote the whole override"]),
+    ("experiment-indented-by-a-tab", ["--config-dir", "conf", "+experiment=tabbed"],
+     ["conf/experiment/tabbed.yaml, line 3, column 1: not valid YAML",
+      "YAML indents with spaces, never tabs: replace the tab with spaces"]),
+    ("experiment-misaligned", ["--config-dir", "conf", "+experiment=misaligned"],
+     ["conf/experiment/misaligned.yaml, line 4, column 10: not valid YAML (mapping values are not allowed here)",
+      "check the indentation there"]),
     ("eval-fraction-of-the-whole-set", ["data.eval_fraction=1.0"],
      ["data.eval_fraction=1.0: the share of the samples held out", "between 0 and 1, both excluded"]),
     # --- checkpoint stores (issue 62) ------------------------------------------------------------------------------
