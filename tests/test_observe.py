@@ -212,3 +212,24 @@ def test_a_hang_tells_its_reason_to_the_owner_before_it_ends_the_rank(tmp_path):
     ended = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=100)
     assert ended.returncode == HANG_EXIT_CODE, ended.stderr[-2000:]
     assert "[rank 1] no progress for" in said.read_text() and "trainer.hang_timeout_s=0.4" in said.read_text()
+
+
+def test_the_done_lines_give_the_final_and_the_best_figure_and_what_to_do_next(tmp_path):
+    """A newcomer reads the best accuracy and the final one apart, how to watch the run, and how to train on: to the
+    end of its schedule (a max_steps run resumes) or longer (a new run from its weights: longer epochs reshape the
+    lr schedule)."""
+    from types import SimpleNamespace
+
+    from train.observe.console import run_summary
+
+    (tmp_path / "tb").mkdir()
+    best = tmp_path / "checkpoints" / "best.pt"
+    plan = SimpleNamespace(stop_step=40, total_steps=96, global_batch=32, replicas=2)
+    progress = SimpleNamespace(step=40, best_metric=0.92, best_step=32)
+    cut = run_summary(plan, progress, "acc", best, 40, 4.0, 0, final={"acc": 0.9, "loss": 0.3}, run_dir=tmp_path)
+    assert "; final acc 90.00%, best acc 92.00% at step 32: " + str(best) in cut
+    assert f"next: watch it: tensorboard --logdir {tmp_path / 'tb'}; train on to the end of its schedule (step 96): " \
+           "the same command with trainer.max_steps=-1 (it resumes from step 40)" in cut
+    plan.stop_step = progress.step = 96
+    whole = run_summary(plan, progress, "acc", best, 96, 4.0, 0, final={"acc": 0.9}, run_dir=tmp_path)
+    assert f"train longer: a new run from these weights, with checkpoint.init_from={best}" in whole

@@ -249,5 +249,5 @@ def fit(run: Run) -> Outcome:
     name, _ = monitored(run)
     best = run.ckpt.directory / (BEST_DIR if run.ckpt.format == "dcp" else BEST)
     console.print(run_summary(plan, progress, name, best, progress.step - start, time.perf_counter() - started,
-                              meter.tokens_total))
+                              meter.tokens_total, final=result, run_dir=run.run_dir))
     return Outcome("finished", progress.step, result)

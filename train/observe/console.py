@@ -56,18 +56,39 @@ def clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
-def run_summary(plan, progress, metric: str, best: Path, steps: int, seconds: float, tokens: int) -> str:
-    """The line a finished run ends with: how long this attempt took and how fast (`tokens`: rank 0's, as many on
-    every replica), the best evaluation of `metric`, its step and where its checkpoint is."""
+def run_summary(plan, progress, metric: str, best: Path, steps: int, seconds: float, tokens: int,
+                final: dict | None = None, run_dir: Path | None = None) -> str:
+    """The lines a finished run ends with: how long this attempt took and how fast (`tokens`: rank 0's, as many on
+    every replica), the final evaluation of `metric` and the best one, its step and where its checkpoint is; then
+    what a newcomer looks for next: how to watch it, and how to train on (`run_dir`: the run's directory)."""
     pace = f"{steps * plan.global_batch / seconds:,.0f} samples/s" if seconds > 0 and steps else "no step taken"
     if tokens and seconds > 0:
         pace += f", {tokens * plan.replicas / seconds:,.0f} tokens/s"
     text = f"done: step {progress.step} of {plan.stop_step}, {steps} steps in {clock(seconds)} ({pace})"
+
+    def shown(value: float) -> str:
+        return f"{value:.2%}" if metric == "acc" else f"{value:.4g}"
+
+    figures = []
+    if final and isinstance(final.get(metric), int | float):
+        figures.append(f"final {metric} {shown(final[metric])}")
     if progress.best_metric is not None:
-        value = f"{progress.best_metric:.2%}" if metric == "acc" else f"{progress.best_metric:.4g}"
         at = f" at step {progress.best_step}" if progress.best_step >= 0 else ""
-        text += f"; best {metric} {value}{at}: {best}"
-    return text
+        figures.append(f"best {metric} {shown(progress.best_metric)}{at}: {best}")
+    if figures:
+        text += "; " + ", ".join(figures)
+    if run_dir is None:
+        return text
+    next_steps = []
+    if (run_dir / "tb").is_dir():
+        next_steps.append(f"watch it: tensorboard --logdir {run_dir / 'tb'}")
+    if progress.step < plan.total_steps:
+        next_steps.append(f"train on to the end of its schedule (step {plan.total_steps}): the same command with "
+                          f"trainer.max_steps=-1 (it resumes from step {progress.step})")
+    else:
+        next_steps.append(f"train longer: a new run from these weights, with checkpoint.init_from={best} and the "
+                          f"epochs you want (its own directory and lr schedule)")
+    return text + "\nnext: " + "; ".join(next_steps)
 
 
 class LinesConsole:
