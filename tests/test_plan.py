@@ -129,3 +129,16 @@ def test_warmup_in_epochs_and_in_steps_at_once_is_refused():
     with pytest.raises(ValueError, match="give the warmup in one of them"):
         build_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), cfg.optim.schedule,
                         make_plan(cfg, world_size=1, train_size=1000))
+
+
+@pytest.mark.parametrize("pp,said", [(2, "pipeline: 2 stages of consecutive blocks, 4 microbatches per batch, 1f1b; 2 "
+                                        "copies of the pipeline, the batch split 2 ways between them"),
+                                     (0, "pipeline: 4 stages of consecutive blocks")])
+def test_the_summary_counts_a_pipelines_stages_not_its_processes(pp, said):
+    """pp=2 on 4 processes is 2 stages, each replicated twice (the summary said 4 stages)."""
+    from conftest import typed
+
+    from launcher.tools.summary import _strategy
+
+    cfg = typed("trainer.strategy=pipeline", "trainer.procs_per_node=4", f"trainer.pp={pp}")
+    assert _strategy(cfg, 4).startswith(said)

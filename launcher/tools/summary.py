@@ -16,7 +16,7 @@ SOURCES = {"digits": "(bundled with scikit-learn)", "synthetic": "(generated in 
 STRATEGY_NOTES = {
     "ddp": "ddp: the whole model on every process, the batch split {world} ways",
     "fsdp": "fsdp: parameters, gradients and optimizer state sharded {world} ways, block by block",
-    "pipeline": "pipeline: {world} stages of consecutive blocks, {microbatches} microbatches per batch, {schedule}",
+    "pipeline": "pipeline: {stages} stages of consecutive blocks, {microbatches} microbatches per batch, {schedule}",
 }
 
 
@@ -52,7 +52,12 @@ def _strategy(cfg: Config, world: int) -> str:
                 "gathers would only cost time); checkpoints keep fsdp's format. trainer.fsdp_cpu_offload=true keeps FSDP")
     if t.strategy == "fsdp":
         return STRATEGY_NOTES["fsdp"].format(world=layout.dp_shard) + split
-    return STRATEGY_NOTES[t.strategy].format(world=world, microbatches=t.microbatches, schedule=t.pipeline_schedule)
+    if t.strategy == "pipeline" and layout.dp > 1:  # pp stages, each replicated: the stages are not the world
+        return (STRATEGY_NOTES["pipeline"].format(stages=layout.pp, microbatches=t.microbatches,
+                                                  schedule=t.pipeline_schedule) +
+                f"; {layout.dp} copies of the pipeline, the batch split {layout.dp} ways between them")
+    return STRATEGY_NOTES[t.strategy].format(world=world, stages=layout.pp if t.strategy == "pipeline" else world,
+                                             microbatches=t.microbatches, schedule=t.pipeline_schedule)
 
 
 def stored_checkpoints(url: str) -> list:
