@@ -15,6 +15,8 @@ from pathlib import Path
 from conftest import FAST, final_checkpoint, run_cli, wait_for
 from omegaconf import OmegaConf
 
+from train.observe.status import read_status
+
 # A tiny job (1 process, 2 epochs of 512 synthetic samples) searched over lr (log scale) and the batch.
 STUDY = [*FAST, "-m", "hydra/sweeper=optuna", "hydra.sweeper.seed=0", "trainer.procs_per_node=1", "data=synthetic",
          "data.num_samples=512", "model=mlp", "model.hidden=[64,32]", "trainer.epochs=2", "trainer.log_every=8",
@@ -34,10 +36,38 @@ def trials(sweep_dir: Path):
     return optuna.load_study(study_name="study", storage=storage).trials
 
 
-def test_a_study_runs_its_trials_as_runs_and_names_the_best_with_a_command_to_rerun_it(tmp_path):
+def _cwd(pid: str) -> Path | None:
+    try:
+        return Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:
+        return None
+
+
+def test_a_study_runs_its_trials_as_runs_two_at_once_and_names_the_best_with_a_command_to_rerun_it(tmp_path):
+    """Three trials, two at a time (hydra.sweeper.n_jobs=2 through Hydra's joblib launcher: each trial's launch in
+    a process of its own): the first two train at the same time, the third once both have ended."""
     sweep_dir = tmp_path / "sweep"
-    proc = study(tmp_path, sweep_dir, "hydra.sweeper.n_trials=3")
+    words = [*STUDY, "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2", "hydra/launcher=joblib",
+             "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep_dir}"]
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "launcher", *words], cwd=tmp_path, stdout=out, stderr=err)
+        proc.wait(timeout=600)
+    proc.stdout, proc.stderr = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    print(proc.stdout, proc.stderr)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # joblib's workers end with the study (they would wait 300 s for more work, holding its console and pipes); its
+    # resource tracker ends once the pipes from them close
+    def left() -> list[str]:
+        return [pid for pid in os.listdir("/proc") if pid.isdigit() and _cwd(pid) == tmp_path]
+
+    wait_for(lambda: not left(), timeout=30, what="the study's processes to end")
+    assert "leaked" not in proc.stderr  # joblib's folders removed, not left to its resource tracker
+    # each trial from its launch (Hydra's record of it, written as the launch takes its directory) to its end
+    runs = [record.parent.parent for record in sweep_dir.glob("*/.hydra/overrides.yaml")]
+    spans = sorted(((run / ".hydra" / "overrides.yaml").stat().st_mtime, read_status(run)["time"]) for run in runs)
+    assert len(spans) == 3
+    assert spans[1][0] < spans[0][1]  # the second began before the first ended: they ran at once
+    assert spans[2][0] > max(spans[0][1], spans[1][1])  # the third was asked once both were told
     done = [t for t in trials(sweep_dir) if t.state.name == "COMPLETE"]
     assert len(done) == 3
     # every trial is a run of its own, scored by its monitored metric (accuracy: maximised)
@@ -101,6 +131,10 @@ def test_a_search_space_a_study_cannot_sample_is_refused_with_the_fix(tmp_path):
                    f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert proc.returncode != 0
     assert "a study samples choice(...), range(...) or interval(a, b)" in proc.stderr
+    at_once = run_cli("launcher", *STUDY, "hydra.sweeper.n_jobs=2", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert at_once.returncode != 0
+    assert "hydra.sweeper.n_jobs=2: Hydra's basic launcher runs one trial at a time; add hydra/launcher=joblib" \
+        in at_once.stderr
 
 
 def test_a_pruner_stops_a_trial_whose_evaluations_fall_behind_as_a_stop_signal_stops_a_run(tmp_path):

@@ -22,8 +22,11 @@ run writes them (RUN_DIR/metrics.jsonl, the metric named in RUN_DIR/plan.json); 
 as a stop signal stops a run: its ranks get SIGTERM, save a checkpoint at their step boundary and end, its status
 says "pruned" in the sweep's summary, and the next trial starts.
 
-Trials run one after another on this machine's backend (launcher=local); a backend that submits and returns
-(SLURM, Ray) needs launcher.wait=true for its trials to be scored.
+Trials run one after another, or `hydra.sweeper.n_jobs` at once with Hydra's joblib launcher
+(`hydra/launcher=joblib`, hydra-joblib-launcher: each trial's launch in a process of its own), as Hydra's own optuna
+sweeper runs them: the sampler asks n_jobs trials, they run together, and the next ones are asked once all have
+ended. A backend that submits and returns (SLURM, Ray) needs launcher.wait=true for its trials to be scored; with
+n_jobs its trials are jobs in the cluster's queue at once.
 """
 
 
@@ -61,6 +64,7 @@ class OptunaSweeperConf:
     study_name: str = "study"
     pruner: str = "none"  # none | median | hyperband: stop a trial early from its evaluations as they are written
     pruner_warmup_steps: int = 0  # median: evaluations at steps up to this one never prune
+    n_jobs: int = 1  # trials asked and run at once (with hydra/launcher=joblib; the basic launcher runs one at a time)
     params: dict[str, str] = field(default_factory=dict)  # the search space in the config: {key: "interval(0, 1)"}
 
 
@@ -230,8 +234,8 @@ class TrialWatch:
 
 class OptunaSweeper(Sweeper):
     def __init__(self, n_trials: int, sampler: str, seed: int | None, direction: str, study_name: str,
-                 params: dict[str, str], pruner: str = "none", pruner_warmup_steps: int = 0):
-        self.n_trials, self.sampler_name, self.seed = n_trials, sampler, seed
+                 params: dict[str, str], pruner: str = "none", pruner_warmup_steps: int = 0, n_jobs: int = 1):
+        self.n_trials, self.sampler_name, self.seed, self.n_jobs = n_trials, sampler, seed, n_jobs
         self.direction, self.study_name, self.params = direction, study_name, dict(params or {})
         self.pruner_name, self.pruner_warmup_steps = pruner, pruner_warmup_steps
 
@@ -241,6 +245,12 @@ class OptunaSweeper(Sweeper):
         self.hydra_context, self.config = hydra_context, config
         self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
                                                                task_function=task_function, config=config)
+        if self.n_jobs < 1:
+            raise ValueError(f"hydra.sweeper.n_jobs={self.n_jobs}: give the number of trials to run at once (1 or more)")
+        if self.n_jobs > 1 and type(self.launcher).__name__ == "BasicLauncher":
+            raise ValueError(f"hydra.sweeper.n_jobs={self.n_jobs}: Hydra's basic launcher runs one trial at a time; add "
+                             f"hydra/launcher=joblib hydra.launcher.n_jobs={self.n_jobs} (pip install "
+                             f"hydra-joblib-launcher, in the '.[optuna]' extra) to run them at once, or drop n_jobs")
 
     def _study(self, sweep_dir: Path, direction: str, planning: bool = False):
         import optuna
@@ -282,40 +292,49 @@ class OptunaSweeper(Sweeper):
             study.enqueue_trial(trial.params, skip_if_exists=False)
             study.tell(trial.number, state=TrialState.FAIL)
         returns, index, failed = [], len(study.trials), 0
-        while len(study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))) < self.n_trials:
+        while (done := len(study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED)))) < self.n_trials:
             if failed >= self.n_trials:  # a space where nothing finishes (a crash, a bad value) is not searched on
                 raise RuntimeError(f"hydra/sweeper=optuna: {failed} trials in a row did not finish with a score; "
                                    f"their run directories under {sweep_dir} say why (python -m launcher.sweep "
                                    f"{sweep_dir})")
-            trial = study.ask(space)
-            overrides = [*fixed, *(f"{key}={_override_value(value)}" for key, value in trial.params.items())]
-            self.validate_batch_is_legal([overrides])
-            with TrialWatch(trial, sweep_dir, overrides) if self.pruner_name != "none" and not planning \
-                    else contextlib.nullcontext() as watch:
-                [result] = self.launcher.launch([overrides], initial_job_idx=index)
-            index += 1
-            returns.append(result)
-            run_dir = Path(result.hydra_cfg.hydra.runtime.output_dir)
-            if watch is not None and watch.pruned_at is not None:
+            trials = [study.ask(space) for _ in range(1 if planning else min(self.n_jobs, self.n_trials - done))]
+            batch = [[*fixed, *(f"{key}={_override_value(value)}" for key, value in trial.params.items())]
+                     for trial in trials]
+            self.validate_batch_is_legal(batch)
+            watching = self.pruner_name != "none" and not planning
+            with contextlib.ExitStack() as stack:
+                watches = [stack.enter_context(TrialWatch(trial, sweep_dir, overrides)) if watching else None
+                           for trial, overrides in zip(trials, batch)]
+                try:
+                    results = self.launcher.launch(batch, initial_job_idx=index)
+                finally:
+                    if self.n_jobs > 1:  # each batch's workers and folders, before the next batch makes its own
+                        end_joblib_workers()
+            index += len(batch)
+            returns.extend(results)
+            for trial, overrides, result, watch in zip(trials, batch, results, watches):
+                run_dir = Path(result.hydra_cfg.hydra.runtime.output_dir)
+                if watch is not None and watch.pruned_at is not None:
+                    failed = 0
+                    self._mark_pruned(run_dir, watch.pruned_at)
+                    study.tell(trial, state=TrialState.PRUNED)
+                    print(f"trial {trial.number}: pruned after its evaluation at step {watch.pruned_at}  "
+                          f"{' '.join(overrides)}")
+                    continue
+                value = score(run_dir)
+                if planning:  # a dry run plans one trial's run: the study itself needs real runs
+                    study.tell(trial, state=TrialState.FAIL)
+                    print(f"dry run: planned trial {trial.number} ({' '.join(overrides)}); the study runs "
+                          f"{self.n_trials} trials")
+                    return returns
+                if value is None:
+                    failed += 1
+                    study.tell(trial, state=TrialState.FAIL)
+                    print(f"trial {trial.number}: {' '.join(overrides)} did not finish with a score ({run_dir})")
+                    continue
                 failed = 0
-                self._mark_pruned(run_dir, watch.pruned_at)
-                study.tell(trial, state=TrialState.PRUNED)
-                print(f"trial {trial.number}: pruned after its evaluation at step {watch.pruned_at}  {' '.join(overrides)}")
-                continue
-            value = score(run_dir)
-            if planning:  # a dry run plans one trial's run: the study itself needs real runs
-                study.tell(trial, state=TrialState.FAIL)
-                print(f"dry run: planned trial {trial.number} ({' '.join(overrides)}); the study runs "
-                      f"{self.n_trials} trials")
-                return returns
-            if value is None:
-                failed += 1
-                study.tell(trial, state=TrialState.FAIL)
-                print(f"trial {trial.number}: {' '.join(overrides)} did not finish with a score ({run_dir})")
-                continue
-            failed = 0
-            study.tell(trial, value)
-            print(f"trial {trial.number}: {value:.6g}  {' '.join(overrides)}")
+                study.tell(trial, value)
+                print(f"trial {trial.number}: {value:.6g}  {' '.join(overrides)}")
         self._report(study, fixed, sweep_dir, optuna)
         return returns
 
@@ -350,6 +369,27 @@ class OptunaSweeper(Sweeper):
                 plots.plot_param_importances(study).figure.savefig(sweep_dir / "param_importances.png")
         except ImportError:
             print("matplotlib is not installed: no plots of the study (pip install matplotlib)")
+
+
+def end_joblib_workers() -> None:
+    """The worker processes of hydra/launcher=joblib (joblib's reusable loky executor) wait 300 s for more work
+    before they end, holding the sweeper's console and pipes: a study that ended seemed to hang that long; and a
+    batch of another size replaces the executor, leaving the old one's memory-mapping folder behind. The
+    executor's terminate also removes its memory-mapping folders, which the launcher's exit (without the
+    interpreter's atexit hooks, train.dist.exit_without_finalizing) would leave to loky's resource tracker and its
+    "leaked folder objects" warning. Nothing public reaches the executor Hydra's launcher used: loky's module
+    global, guarded (docs/code.md)."""
+    try:
+        from joblib.externals.loky import reusable_executor
+    except ImportError:
+        return
+    executor = getattr(reusable_executor, "_executor", None)
+    if executor is None:
+        return
+    if hasattr(executor, "terminate"):  # joblib's MemmappingExecutor: shuts down and cleans its folders
+        executor.terminate(kill_workers=True)
+    else:
+        executor.shutdown(wait=True, kill_workers=True)
 
 
 def _override_value(value: Any) -> str:

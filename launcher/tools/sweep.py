@@ -12,6 +12,7 @@ import csv
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -105,16 +106,27 @@ def print_table(rows: list[dict], sweep_dir: Path) -> None:
 
 class SweepSummary(Callback):
     """At the end of a multirun: the summary of its own points, and a failing exit code if any of them failed (the
-    points of an earlier sweep into the same folder are neither shown nor counted)."""
+    points of an earlier sweep into the same folder are neither shown nor counted).
+
+    Its own points: those whose jobs ended in this process (Hydra's basic launcher), and those whose launch wrote
+    their Hydra record since the multirun began (a launcher that runs jobs in processes of its own, such as
+    hydra/launcher=joblib, calls on_job_end there, not here)."""
 
     def __init__(self) -> None:
         self.points: list[Path] = []
+        self.started = 0.0
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self.started = time.time()
 
     def on_job_end(self, config: DictConfig, job_return=None, **kwargs) -> None:
         self.points.append(Path(config.hydra.runtime.output_dir).resolve())
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        recorded = [p.resolve() for p in point_dirs(sweep_dir)
+                    if (p / ".hydra" / "overrides.yaml").stat().st_mtime >= self.started - 1]
+        self.points += [p for p in recorded if p not in self.points]
         if not self.points:  # an empty list of values (`range(8,8)`, `choice()`): nothing ran, which is no success
             print(f"error: the sweep has no points: a swept key's list of values is empty "
                   f"({' '.join(config.hydra.overrides.task)}); give each swept key at least one value, "
