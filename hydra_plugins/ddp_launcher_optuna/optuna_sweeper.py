@@ -25,8 +25,7 @@ says "pruned" in the sweep's summary, and the next trial starts.
 Trials run one after another, or `hydra.sweeper.n_jobs` at once with Hydra's joblib launcher
 (`hydra/launcher=joblib`, hydra-joblib-launcher: each trial's launch in a process of its own), as Hydra's own optuna
 sweeper runs them: the sampler asks n_jobs trials, they run together, and the next ones are asked once all have
-ended. A backend that submits and returns (SLURM, Ray) needs launcher.wait=true for its trials to be scored; with
-n_jobs its trials are jobs in the cluster's queue at once.
+ended. A backend that submits and returns (SLURM, Ray) needs launcher.wait=true for its trials to be scored.
 """
 
 
