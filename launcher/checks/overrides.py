@@ -10,6 +10,8 @@ does not have yet.
 
 from __future__ import annotations
 
+import re
+
 from difflib import get_close_matches
 from pathlib import Path
 
@@ -32,6 +34,11 @@ def explain(error: BaseException) -> str | None:
         return explain_missing_option(error)
     if isinstance(error, OverrideParseException):
         return explain_unparsed(error)
+    if (twice := re.match(r"Multiple values for (\S+)\. To override a value use", str(error))) is not None:
+        group = twice.group(1)  # `+experiment=a +experiment=b`: Hydra's advice is for a defaults list, not a command
+        return (f"+{group}= is given more than once: a run takes one {group}. Give one, and the other's keys as "
+                f"overrides; or write your own {group} file that starts from one (its defaults: - /{group}/NAME) and "
+                f"sets what you take from the other, and give that one (with --config-dir for your folder).")
     cause = error.__cause__
     if isinstance(cause, ValidationError) and cause.full_key:
         return explain_wrong_type(str(cause.full_key), cause)
