@@ -110,11 +110,15 @@ def explain_unparsed(error: OverrideParseException) -> str:
     """An override Hydra's grammar cannot read: most often a value holding '=', a shell character or a newline."""
     override = error.override or ""
     key, _, value = override.partition("=")
-    odd = [c for c in NEEDS_QUOTES if c in value]
+    # characters of the shell's and Hydra's own, and any beyond ASCII (an accented path): quoted, Hydra takes them
+    odd = [c for c in NEEDS_QUOTES if c in value] + sorted({c for c in value if ord(c) > 127})
     if key and odd:
         shown = ", ".join(repr(c) for c in odd)
         return (f"{key}: its value {value!r} holds {shown}, which Hydra's override grammar reads only inside quotes of "
                 f"its own: write it as '{key}=\"{value}\"' (the outer quotes for the shell, the inner for Hydra).")
+    if key and value.startswith("~"):  # Hydra's grammar refuses it unquoted; quoted, it would be a directory named ~
+        return (f"{key}: '~' is not expanded inside an override (the shell sees one word, KEY=~...): write the path "
+                f"itself, e.g. {key}={Path.home()}{value[1:]}, or {key}=$HOME{value[1:]} (the shell expands that).")
     if key and value.endswith(","):  # `key=0.1, 0.2`: the shell split the list at the space after its comma
         return (f"{override!r} ends with a comma: the shell split the list at a space after it, and its next value "
                 f"became a word of its own. Write the values without spaces ({key}={value}...) or quote the whole "
