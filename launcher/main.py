@@ -7,6 +7,7 @@ Hydra runs here and only here. Workers never re-enter `@hydra.main`: they read R
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -85,6 +86,27 @@ def users_experiment_inherits(cfg: DictConfig) -> list[str]:
     return inherited_values(Path(CONF_DIR) / "config.yaml", experiment, list(hydra_cfg.overrides.task), cfg)
 
 
+def inherited_data_keys(problems: list[str]) -> str | None:
+    """Where a data set of the user's own refuses keys it never wrote: an experiment that sets data.train merges it
+    into the data group's default (data=digits), whose keys stay. Says so, and how to start from a data config of
+    their own; None where the refused keys are not the default's."""
+    if not HydraConfig.initialized():
+        return None
+    choice = HydraConfig.get().runtime.choices.get("data")
+    default = Path(CONF_DIR) / "data" / f"{choice}.yaml"
+    if not choice or not default.is_file():
+        return None
+    parts = OmegaConf.to_container(OmegaConf.load(default))
+    inherited = [f"data.{m[1]}.{m[2]}" for p in problems
+                 if (m := re.match(r"data\.(train|eval)\.(\w+): .* has no argument", p)) and m[2] in (parts.get(m[1]) or {})]
+    if not inherited:
+        return None
+    return (f"{', '.join(inherited)}: set by data={choice} (the launcher's data config, which your data.train or "
+            f"data.eval is merged into, keeping its keys). Put your data sets in a data config of your "
+            f"own (CONF/data/NAME.yaml with train: and eval:) and choose it: data=NAME on the command line, or "
+            f"`defaults: [{{override /data: NAME}}]` in your experiment.")
+
+
 def launch(cfg: DictConfig, run_dir: Path) -> int:
     """Hold the run directory, then validate, snapshot, and run (or submit) one run. Returns its exit code."""
     try:
@@ -135,7 +157,9 @@ def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
         typed = typed_config(cfg)
         validate(typed, run_dir)
     except ConfigError as error:
-        raise Refused(f"the config has {len(error.problems)} problem(s):\n{error}") from None
+        hint = inherited_data_keys(error.problems)
+        raise Refused(f"the config has {len(error.problems)} problem(s):\n{error}" + (f"\n{hint}" if hint else "")) \
+            from None
     snapshot, changed = write_snapshot(cfg, run_dir)
     # The trainer's run is done when it finished with the same config; a script's is its own business (it may have
     # been edited, or train from scratch each time): it runs again, as under torchrun.

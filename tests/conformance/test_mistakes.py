@@ -49,6 +49,7 @@ FILES = {
     "my_results/metrics.jsonl": '{"mine": 1}\n',
     "a-file": "not a directory\n",
     "conf_own/config.yaml": "name: my_own_primary\n",
+    "conf/experiment/own_train_only.yaml": "# @package _global_\ndata:\n  train: {_target_: vectors.Vectors, n: 10}\n",
     "conf/experiment/tabbed.yaml": "# @package _global_\ntrainer:\n\tmax_steps: 3\n",
     "conf/experiment/misaligned.yaml": "# @package _global_\ntrainer:\n  max_steps: 3\n   epochs: 2\n",
 }
@@ -76,6 +77,10 @@ MISTAKES = [
      ["no experiment 'imagenet' in the launcher's config", "The launcher's own: digits, gpt2_124m",
       "put it in CONF/experiment/imagenet.yaml of your project and add --config-dir CONF"]),
     ("experiment-without-plus", ["experiment=resnet18"], ["experiment", "+experiment=resnet18"]),
+    ("data-train-merged-into-the-default-data", ["--config-dir", "conf", "+experiment=own_train_only"],
+     ["data.train.split: vectors.Vectors has no argument 'split'",
+      "data.train.split, data.train.image_size, data.train.eval_fraction, data.train.split_seed: set by data=digits",
+      "choose it: data=NAME on the command line, or `defaults: [{override /data: NAME}]` in your experiment"]),
     ("two-experiments", ["+experiment=resnet18", "+experiment=gpt_tiny"],
      ["+experiment= is given more than once: a run takes one experiment",
       "write your own experiment file that starts from one (its defaults: - /experiment/NAME)",
