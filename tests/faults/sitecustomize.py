@@ -241,6 +241,32 @@ def act() -> None:
 
 
 
+    if os.environ.get("HEAL_MARKER") and os.environ.get("RANK") is not None:
+        # A restarted replica group writes HEAL_MARKER just before it asks for its first quorum; group 0 holds its
+        # quorum of step HEAL_BEFORE_STEP until then (at most 300 s): the heal lands before the run's end however
+        # slow the restart is (its imports under load), without a timing assumption.
+        import threading
+        import time
+        from pathlib import Path
+
+        import train.fault_tolerance
+
+        _join, _marker = train.fault_tolerance.ReplicaGroups.join_step, Path(os.environ["HEAL_MARKER"])
+        _hold_at, _joins = int(os.environ.get("HEAL_BEFORE_STEP", "0")), [0]
+        _restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+
+        def join_step(self):
+            _joins[0] += 1
+            if _restarted:
+                _marker.touch()
+            elif os.environ.get("REPLICA_GROUP_ID", "0") == "0" and _joins[0] >= _hold_at:
+                deadline = time.monotonic() + 300
+                while not _marker.exists() and time.monotonic() < deadline:
+                    threading.Event().wait(0.05)
+            return _join(self)
+
+        train.fault_tolerance.ReplicaGroups.join_step = join_step
+
     _group = os.environ.get("REPLICA_GROUP_ID", "0")
     _end_delay = int(os.environ.get("END_DELAY_MS", "0")) / 1000 if _group == os.environ.get("END_DELAY_GROUP", "0") else 0
     _end_kill = os.environ.get("FAULT") == "kill_at_end" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0") \
