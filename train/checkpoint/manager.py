@@ -142,7 +142,7 @@ class CheckpointManager:
         if self.background is not None and self.background.busy:
             with self.waiting("waiting for the checkpoint being written"):
                 self.background.wait()
-        if self.mirror is not None and self.mirror.uploads.busy:
+        if self.mirror is not None and self.mirror.busy:
             with self.waiting(f"waiting for the upload to {self.mirror.url}"):
                 self.mirror.wait()
 

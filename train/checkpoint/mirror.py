@@ -87,6 +87,11 @@ class Mirror:
         self.uploads.submit(self.upload_dir, path, mine, meta, best)
 
     @property
+    def busy(self) -> bool:
+        """An upload was submitted and not yet waited for."""
+        return self.uploads.busy
+
+    @property
     def in_flight(self) -> bool:
         return self.uploads.busy and not self.uploads.pending.done()
 
