@@ -314,9 +314,10 @@ class _Watch:
         what = ("ended (exit 70): the launcher restarts them (launcher.max_restarts) or fails the run" if end else
                 "not ended: program.on_hang=auto ends a script that uses ddp_loop's API (report, heartbeat, saving), "
                 "program.on_hang=end any script")
-        if rank() == 0:
-            (incident / "summary.txt").write_text(f"hang report of a script (program=script): {reason}; each rank's "
-                                                  f"stacks: rank<R>.txt in this folder; the ranks were {what}\n")
+        # Every rank writes the summary (the same text, replaced whole): the first to exit breaks the others'
+        # collectives, and a rank left to write it alone could be unwinding or ended by then.
+        _replace_text(incident / "summary.txt", f"hang report of a script (program=script): {reason}; each rank's "
+                                                f"stacks: rank<R>.txt in this folder; the ranks were {what}\n")
         sys.__stderr__.write(f"[rank {rank()}] hang: {reason}; the stacks of every rank are in {incident}; {what}\n")
         sys.__stderr__.flush()
         if end and not self._anyone_saving():
@@ -343,6 +344,13 @@ def _record_error(kind: str, message: str) -> None:
                                    "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}}, out)
     except OSError:
         pass
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """`path` holds `text` whole or its earlier content, never a part (a reader may come at any moment)."""
+    part = path.with_name(f".{path.name}.{os.getpid()}")
+    part.write_text(text)
+    os.replace(part, path)
 
 
 def _touch(path: Path) -> None:

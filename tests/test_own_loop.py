@@ -205,7 +205,7 @@ def test_a_rank_saving_for_longer_than_the_hang_limit_is_never_ended(tmp_path):
     assert not (run_dir / "hang").exists() and "hang:" not in proc.stderr
 
 
-# Rank 1 is frozen (SIGSTOP) at step 3 of a script that reports: rank 0 waits for it in a collective.
+# Rank 0 is frozen (SIGSTOP) at step 3 of a script that reports: rank 1 waits for it in a collective.
 FREEZES = """
 import os
 import signal
@@ -220,19 +220,23 @@ for step in range(1, 100):
     total = torch.ones(1)
     dist.all_reduce(total)
     ddp_loop.report(step, loss=1.0 / step)
-    if step == 3 and dist.get_rank() == 1:
+    if step == 3 and dist.get_rank() == 0:
         os.kill(os.getpid(), signal.SIGSTOP)
 dist.destroy_process_group()
 """
 
 
 def test_a_frozen_rank_of_a_script_is_named_in_the_runs_error(tmp_path):
-    """The healthy rank's hang exit was the run's whole error ("rank 0 failed, exit code 70"): the frozen rank, which
-    wrote no stacks, is now named in it."""
+    """The healthy rank's hang exit was the run's whole error ("rank 1 failed, exit code 70"): the frozen rank, which
+    wrote no stacks, is now named in it, and in the incident's summary, which the healthy rank writes (rank 0 alone
+    wrote it: a frozen rank 0 left none; so did a rank 0 whose barrier broke as rank 1 exited, a CI failure)."""
     proc, run_dir = run_two_ranks(project(tmp_path), "freezes", FREEZES, "launcher.shutdown_timeout_s=5")
     assert proc.returncode == 1, proc.stderr[-3000:]
     status = json.loads((run_dir / "status.json").read_text())
-    assert "HangDetected" in status["error"] and "rank(s) [1] wrote no stacks" in status["error"], status
+    assert "HangDetected" in status["error"] and "rank(s) [0] wrote no stacks" in status["error"], status
+    [incident] = (run_dir / "hang").iterdir()
+    assert "rank(s) [0] wrote no stacks" in (incident / "summary.txt").read_text()
+    assert [p.name for p in incident.iterdir() if p.name.startswith(".")] == []  # no part of a summary left
 
 
 ENDS = """
