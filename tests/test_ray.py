@@ -187,13 +187,15 @@ def test_a_sweep_is_submitted_at_once_and_bad_input_is_refused_before_submission
 
 def test_an_unchanged_torchrun_script_runs_as_a_two_node_ray_job(cluster, tmp_path):
     """program=script through the Jobs API: the user's own loop, one rank per node, its own arguments, from the
-    uploaded project (beside its own train.py and models.py, which must not run), and status.json from its end."""
+    uploaded project (beside its own train.py and models.py, which must not run), and status.json from its end. What
+    the script writes by a relative path lands in the run directory's copy of the project (RUN_DIR/work): before, it
+    stayed in Ray's copy, cached by content, where the user never saw it and the next run of the same files found it."""
     shutil.copy(REPO / "tests" / "foreign" / "own_loop" / "my_loop.py", tmp_path / "my_loop.py")
     for name in ("train.py", "models.py"):
         (tmp_path / name).write_text(SHADOW.format(name=name))
     run_dir = tmp_path / "runs" / "mine"
     proc = launch(tmp_path, "launcher=ray", f"launcher.address={ADDRESS}", "trainer.nodes=2", "trainer.procs_per_node=1",
-                  "program=script", "program.script=my_loop.py", f"program.args=[--epochs,2,--out,{tmp_path / 'mine.pt'}]",
+                  "program=script", "program.script=my_loop.py", "program.args=[--epochs,2,--out,mine.pt]",
                   f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     [job_id] = submitted(proc.stdout)
@@ -202,7 +204,10 @@ def test_an_unchanged_torchrun_script_runs_as_a_two_node_ray_job(cluster, tmp_pa
     assert job_state(job_id) == "SUCCEEDED", logs.stdout[-3000:]
     assert "epoch 1 loss" in logs.stdout and "world 2 local_rank 0" in logs.stdout
     assert "own train.py ran" not in logs.stdout + logs.stderr
-    assert set(torch.load(tmp_path / "mine.pt", weights_only=True)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert f"the ranks run in {run_dir / 'work'}" in proc.stdout
+    saved = run_dir / "work" / "mine.pt"
+    assert set(torch.load(saved, weights_only=True)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert (run_dir / "work" / "my_loop.py").read_text() == (tmp_path / "my_loop.py").read_text()
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
 
 

@@ -25,6 +25,7 @@ from train.observe.status import read_status, write_status
 from train.parallel.layout import procs_per_node
 
 JOBS_FILE = "jobs.jsonl"
+WORK_DIR = "work"  # RUN_DIR/work: the uploaded directory, copied; every node's ranks run in it (ray_job.working_copy)
 ACTIVE = ("PENDING", "RUNNING")  # the Jobs API's states in which the job may still write its run directory
 UPLOAD_LIMIT_BYTES = 512 * 1024 * 1024  # Ray's limit on an uploaded package (its gRPC message size)
 ALWAYS_EXCLUDED = (".git", ".venv", "venv", "__pycache__", "runs", "multirun", "outputs", ".ray")
@@ -221,6 +222,8 @@ class Ray(SubmittingBackend):
         record_job(run_dir, job_id, address)
         write_status(run_dir, "submitted", job_id=job_id)
         print(f"submitted Ray job {job_id} to {address}\n"
+              f"  the ranks run in {run_dir / WORK_DIR} (a copy of {root} as uploaded): what they write there "
+              f"stays with the run\n"
               f"  follow: python -m launcher.jobs status {run_dir}   (also: logs, cancel)", flush=True)
         return wait_for_job(job_id, address, run_dir) if cfg.launcher.wait else 0
 

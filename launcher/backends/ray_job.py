@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -26,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.backends.base import lease_holder_alive
 from launcher.backends.network import NODE_ADDR_ENV
-from launcher.backends.ray import bundle
+from launcher.backends.ray import WORK_DIR, bundle
 from launcher.run_dir.lease import Lease, Renewer, read_lease
 from launcher.schema import Config
 from train.host import PARENT_ENV, USER_PATH_ENV
@@ -36,13 +37,26 @@ from train.writer import LEASE_KEY_ENV
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM
 
 
-def user_path_apart(environ, working_dir: str) -> dict[str, str]:
-    """PYTHONPATH without the job's working directory, which Ray puts first (the uploaded project: its own train.py
-    or launcher.py would replace this package's in every process started with it), and that directory where a rank
-    appends it after this package's (train.host.USER_PATH_ENV): the user's modules still import, and never shadow."""
-    here = os.path.realpath(working_dir)
+def user_path_apart(environ, uploaded: str, work: str) -> dict[str, str]:
+    """PYTHONPATH without the job's uploaded directory, which Ray puts first (the user's project: its own train.py
+    or launcher.py would replace this package's in every process started with it), and the run's copy of it (`work`)
+    where a rank appends it after this package's (train.host.USER_PATH_ENV): the user's modules still import, and
+    never shadow."""
+    here = os.path.realpath(uploaded)
     kept = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.realpath(p) != here]
-    return {"PYTHONPATH": os.pathsep.join(kept), USER_PATH_ENV: working_dir}
+    return {"PYTHONPATH": os.pathsep.join(kept), USER_PATH_ENV: work}
+
+
+def working_copy(run_dir: Path, uploaded: Path) -> Path:
+    """RUN_DIR/work (launcher.backends.ray.WORK_DIR): the uploaded directory copied into the run directory, where
+    every node's ranks run. Ray's own copy is cached by its content and shared by every job that uploads the same
+    files: what a script wrote there (its snapshot, out/) never reached the user, and the next run of the same files
+    found it (a fresh run resumed from another's snapshot). The run's copy is the run's alone and on the storage the
+    nodes share; a job submitted again to the same run directory gets the new upload's files over what its ranks
+    wrote before (a resume finds its own snapshot, as in the launch directory of a local run)."""
+    work = run_dir / WORK_DIR
+    shutil.copytree(uploaded, work, symlinks=True, dirs_exist_ok=True)
+    return work
 
 
 @ray.remote(max_restarts=0)
@@ -60,12 +74,12 @@ class NodeAgent:
             probe.bind((ray.util.get_node_ip_address(), 0))
             return ray.util.get_node_ip_address(), probe.getsockname()[1]
 
-    async def run(self, snapshot: str, endpoint: str, restarts: int, lease_key: str) -> int:
-        env = {**os.environ, **user_path_apart(os.environ, os.getcwd()), PARENT_ENV: str(os.getpid()),
+    async def run(self, snapshot: str, endpoint: str, restarts: int, lease_key: str, work: str) -> int:
+        env = {**os.environ, **user_path_apart(os.environ, os.getcwd(), work), PARENT_ENV: str(os.getpid()),
                "LAUNCHER_RESTARTS": str(restarts), LEASE_KEY_ENV: lease_key,  # the driver's lease: its ranks write
                NODE_ADDR_ENV: ray.util.get_node_ip_address()}  # MASTER_ADDR by IP, not a name pods cannot resolve
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-u", "-P", "-m", "launcher.backends.node", snapshot, endpoint, env=env)
+            sys.executable, "-u", "-P", "-m", "launcher.backends.node", snapshot, endpoint, env=env, cwd=work)
         if self.stopping:
             self.process.send_signal(signal.SIGTERM)
         return await self.process.wait()
@@ -86,6 +100,7 @@ class Driver:
         self.cfg: Config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(snapshot))
         self.stop_asked = False
         self.agents: list = []
+        self.work = self.run_dir / WORK_DIR  # the ranks' working directory (working_copy)
 
     def on_stop(self, signum, frame) -> None:
         print(f"received {signal.Signals(signum).name}: asking every node's ranks to save and stop", flush=True)
@@ -121,7 +136,9 @@ class Driver:
             print(f"attempt {restarts}: {self.cfg.trainer.nodes} node(s), rendezvous at {endpoint}", flush=True)
             if self.stop_asked:
                 return STOPPED_EXIT_CODE, "stopped before it started"
-            runs = {agent.run.remote(str(self.snapshot), endpoint, restarts, os.environ.get(LEASE_KEY_ENV, "")): i for i, agent in enumerate(self.agents)}
+            lease_key = os.environ.get(LEASE_KEY_ENV, "")
+            runs = {agent.run.remote(str(self.snapshot), endpoint, restarts, lease_key, str(self.work)): i
+                    for i, agent in enumerate(self.agents)}
             pending = list(runs)
             while pending:
                 done, pending = ray.wait(pending, num_returns=1, timeout=1.0)  # short waits: a SIGTERM is seen
@@ -188,6 +205,7 @@ def main(snapshot: str) -> int:
               file=sys.stderr)
         return 2
     with Renewer(driver.run_dir, lease) as renewer:
+        working_copy(driver.run_dir, Path.cwd())
         code = driver.run()
         renewer.stop(release_lease=True)
     return code
