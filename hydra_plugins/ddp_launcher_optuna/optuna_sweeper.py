@@ -25,7 +25,8 @@ says "pruned" in the sweep's summary, and the next trial starts.
 Trials run one after another, or `hydra.sweeper.n_jobs` at once with Hydra's joblib launcher
 (`hydra/launcher=joblib`, hydra-joblib-launcher: each trial's launch in a process of its own), as Hydra's own optuna
 sweeper runs them: the sampler asks n_jobs trials, they run together, and the next ones are asked once all have
-ended. A backend that submits and returns (SLURM, Ray) needs launcher.wait=true for its trials to be scored.
+ended. On a backend that submits (SLURM, Ray) each trial is a job: the study asks for launcher.wait=true (a trial's
+launch waits for its job's end), and a pruned trial's job is cancelled (its ranks save and stop).
 """
 
 
@@ -129,6 +130,12 @@ def score(run_dir: Path) -> float | None:
     return float(value)
 
 
+def finished(run_dir: Path) -> bool:
+    from train.observe.status import read_status
+
+    return read_status(run_dir).get("status") == "finished"
+
+
 def pruner_of(name: str, warmup_steps: int):
     import optuna
 
@@ -207,6 +214,11 @@ class TrialWatch:
             step, value = record.get("step"), record.get(monitor)
             if record.get("kind") != "eval" or step in self.reported or not isinstance(value, (int, float)):
                 continue
+            if record.get("time", math.inf) < self.started - 1:
+                # An earlier launch's (a trial asked again with the values of one pruned or interrupted before): this
+                # trial is judged on what its own launch evaluates. Judged on those, it was pruned before its job
+                # began, and a SLURM job cancelled while pending left the run "submitted".
+                continue
             self.reported.add(step)
             self.trial.report(float(value), step)
             if act and self.trial.should_prune():
@@ -214,6 +226,29 @@ class TrialWatch:
                 return
 
     def _stop_ranks(self) -> None:
+        if not self._cancel_job():
+            self._signal_ranks()
+
+    def _cancel_job(self) -> bool:
+        """A trial submitted to SLURM or Ray: its job is cancelled as `python -m launcher.jobs cancel` cancels it
+        (SLURM signals every rank; Ray's `job stop` sends SIGTERM), once: the ranks save and stop, and the launch's
+        wait for the job returns. False for a trial whose ranks run here."""
+        from launcher.backends.base import BACKENDS, SubmittingBackend, get_backend
+        from launcher.run_dir.lease import read_lease
+
+        lease = read_lease(self.run_dir)
+        if lease is None or lease.backend not in BACKENDS or not isinstance(get_backend(lease.backend),
+                                                                            SubmittingBackend):
+            return False
+        if lease.key not in self.signalled:
+            self.signalled.add(lease.key)
+            try:
+                print(f"trial {self.trial.number}: {get_backend(lease.backend).cancel(lease)}", flush=True)
+            except Exception as error:  # noqa: BLE001 - the scheduler refused: the trial runs to its end, unpruned
+                print(f"trial {self.trial.number}: could not stop its job ({error}); it runs to its end", flush=True)
+        return True
+
+    def _signal_ranks(self) -> None:
         from train.host import descendants
 
         snapshot = str(self.run_dir / "config.yaml").encode()
@@ -246,6 +281,12 @@ class OptunaSweeper(Sweeper):
                                                                task_function=task_function, config=config)
         if self.n_jobs < 1:
             raise ValueError(f"hydra.sweeper.n_jobs={self.n_jobs}: give the number of trials to run at once (1 or more)")
+        backend = OmegaConf.select(config, "launcher.name", default="local")
+        if backend in ("slurm", "ray") and not OmegaConf.select(config, "launcher.wait", default=False):
+            raise ValueError(f"hydra/sweeper=optuna with launcher={backend}: a trial is scored when its job ends, and "
+                             f"launcher={backend} returns once the job is submitted; add launcher.wait=true (each "
+                             f"trial's launch waits for its job; hydra.sweeper.n_jobs trials' jobs at once with "
+                             f"hydra/launcher=joblib)")
         if self.n_jobs > 1 and type(self.launcher).__name__ == "BasicLauncher":
             raise ValueError(f"hydra.sweeper.n_jobs={self.n_jobs}: Hydra's basic launcher runs one trial at a time; add "
                              f"hydra/launcher=joblib hydra.launcher.n_jobs={self.n_jobs} (pip install "
@@ -313,7 +354,7 @@ class OptunaSweeper(Sweeper):
             returns.extend(results)
             for trial, overrides, result, watch in zip(trials, batch, results, watches):
                 run_dir = Path(result.hydra_cfg.hydra.runtime.output_dir)
-                if watch is not None and watch.pruned_at is not None:
+                if watch is not None and watch.pruned_at is not None and not finished(run_dir):
                     failed = 0
                     self._mark_pruned(run_dir, watch.pruned_at)
                     study.tell(trial, state=TrialState.PRUNED)
@@ -333,7 +374,9 @@ class OptunaSweeper(Sweeper):
                     continue
                 failed = 0
                 study.tell(trial, value)
-                print(f"trial {trial.number}: {value:.6g}  {' '.join(overrides)}")
+                late = "" if watch is None or watch.pruned_at is None else (
+                    f" (finished before the stop for its pruning, after step {watch.pruned_at}, reached it)")
+                print(f"trial {trial.number}: {value:.6g}  {' '.join(overrides)}{late}")
         self._report(study, fixed, sweep_dir, optuna)
         return returns
 

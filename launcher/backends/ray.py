@@ -87,11 +87,24 @@ def entrypoint(snapshot: Path) -> str:
 
 
 def upload_excludes(cfg: Config, run_dir: Path, root: Path) -> list[str]:
-    """What is not uploaded with the working directory: run directories, environments, launcher.excludes."""
+    """What is not uploaded with the working directory: run directories, environments, launcher.excludes. A point of
+    a sweep or a study leaves out the whole sweep directory: the other points' run directories, each with its copy
+    of the project (RUN_DIR/work), would go with every later point."""
     excludes = [*ALWAYS_EXCLUDED, *cfg.launcher.excludes]
-    with contextlib.suppress(ValueError):
-        excludes.append(str(run_dir.resolve().relative_to(root)))
+    for directory in (run_dir, *sweep_dir()):
+        with contextlib.suppress(ValueError):
+            excludes.append(str(directory.resolve().relative_to(root.resolve())))
     return excludes
+
+
+def sweep_dir() -> list[Path]:
+    """[hydra.sweep.dir] while a point of a multirun is launched; [] otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return []
+    return [Path(HydraConfig.get().sweep.dir).absolute()]
 
 
 def upload_size(root: Path, excludes: list[str]) -> tuple[int, dict[str, int], list[str]]:

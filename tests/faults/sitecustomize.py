@@ -27,7 +27,7 @@ restart runs clean):
                   attempt, before the run's last evaluation and save (a group slow to end), beside any FAULT
   FAULT=kill_at_end  SIGKILL itself at the run's last evaluation, after its last step (first attempt)
   STEP_DELAY_MS   every optimizer step of every rank, in every attempt, takes this much longer (a slower model),
-                  beside any FAULT
+                  beside any FAULT; also in a SLURM task (a rank that sets RANK itself, after its start)
   TRACE_START=1 every rank, in every attempt, prints how it started, when it starts:
                 "[start rank R attempt A] pid P parent Q grandparent G preloaded True|False parent's module M"
                 (preloaded: torch's dynamo was imported before the rank's own code ran, i.e. it was forked from a
@@ -227,17 +227,7 @@ def act() -> None:
 
 
     if os.environ.get("STEP_DELAY_MS") and os.environ.get("RANK") is not None:
-        import threading
-
-        import train.step
-
-        _step, _step_delay = train.step.train_step, int(os.environ["STEP_DELAY_MS"]) / 1000
-
-        def delayed_train_step(*args, **kwargs):
-            threading.Event().wait(_step_delay)
-            return _step(*args, **kwargs)
-
-        replace(train.step, "train_step", delayed_train_step)
+        delay_steps()
 
 
 
@@ -290,6 +280,26 @@ def act() -> None:
 
 
 _acted = False
+_delayed = False
+
+
+def delay_steps() -> None:
+    """STEP_DELAY_MS: every optimizer step of this process takes that much longer (once per process)."""
+    global _delayed
+    if _delayed:
+        return
+    _delayed = True
+    import threading
+
+    import train.step
+
+    _step, _step_delay = train.step.train_step, int(os.environ["STEP_DELAY_MS"]) / 1000
+
+    def delayed_train_step(*args, **kwargs):
+        threading.Event().wait(_step_delay)
+        return _step(*args, **kwargs)
+
+    replace(train.step, "train_step", delayed_train_step)
 
 
 def act_in_rank() -> None:
@@ -303,3 +313,5 @@ if os.environ.get("RANK") is not None:
     act()  # a rank, started as its own process
 else:  # the launcher, or a process that forks a rank after setting its variables
     os.register_at_fork(after_in_child=act_in_rank)
+    if os.environ.get("STEP_DELAY_MS") and os.environ.get("SLURM_STEP_ID") is not None:
+        delay_steps()  # a SLURM task: a rank that sets RANK itself, after its start (the other faults need RANK)
