@@ -222,3 +222,39 @@ def test_a_model_with_batch_norm_says_at_start_that_splitting_the_batch_changes_
     assert "elastic" in batch_statistics_note(net, replicas=1, accumulate=1, elastic=True)
     assert batch_statistics_note(net, replicas=1, accumulate=1, elastic=False) is None  # nothing is split
     assert batch_statistics_note(mlp(channels=1, image_size=8, num_classes=10, hidden=[8]), 4, 2, True) is None
+
+
+def tiny_segformer():
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    torch.manual_seed(0)
+    config = SegformerConfig(num_labels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+                             num_attention_heads=[1, 1], decoder_hidden_size=16, patch_sizes=[7, 3], strides=[4, 2],
+                             mlp_ratios=[2, 2])
+    return SegformerForSemanticSegmentation(config).eval()  # semantic_loss_ignore_index: 255, its default
+
+
+def test_a_segmentation_models_ignored_label_is_followed_and_its_accuracy_read_from_class_first_logits():
+    """SegFormer's own loss ignores label 255 (config.semantic_loss_ignore_index) and gives logits (N, C, H/4, W/4).
+    Before: the task counted its 255 pixels as items (the evaluation loss and the ranks' weights wrong), and accuracy
+    took the classes as last and died at the first evaluation."""
+    model = tiny_segformer()
+    labels = torch.randint(0, 3, (2, 32, 32))
+    labels[:, :8] = 255  # a quarter of the pixels: the model's "ignore"
+    batch = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": labels}
+    task = ModelLoss(accuracy=True)
+    said = task.follow(model)
+    assert "task.ignore_index=255: SegformerForSemanticSegmentation's own loss ignores label 255" in said, said
+    assert task.count(batch) == 2 * 24 * 32
+    with torch.no_grad():
+        output = task.call(model, batch)
+    upsampled = torch.nn.functional.interpolate(output.logits, size=(32, 32), mode="bilinear", align_corners=False)
+    counted = labels != 255
+    sums = task.sums(output, batch)
+    assert sums["weight"] == counted.sum() and sums["correct"] == ((upsampled.argmax(1) == labels) & counted).sum()
+    # The index set in the config wins, and the line says what it costs
+    kept = ModelLoss(ignore_index=-100)
+    assert "labels 255 are counted as items" in kept.follow(model) and kept.count(batch) == 2 * 32 * 32
+    # Logits the task cannot read: the key and the way out, not an IndexError at the first evaluation
+    with pytest.raises(ValueError, match="leave task.accuracy off"):
+        ModelLoss(accuracy=True).sums({"loss": torch.tensor(1.0), "logits": torch.randn(2, 5)}, {"labels": torch.zeros(3, dtype=torch.long)})

@@ -188,17 +188,38 @@ class ModelLoss(Task):
     weigh each batch by that count. `accuracy: true` also reports the accuracy of the output's `logits` against the
     labels (a classifier's; best.pt then keeps the highest), `perplexity: true` exp(loss)."""
 
-    def __init__(self, labels_key: str = "labels", ignore_index: int = -100, shift_labels: bool | None = None,
+    def __init__(self, labels_key: str = "labels", ignore_index: int | None = None, shift_labels: bool | None = None,
                  perplexity: bool = False, accuracy: bool = False):
         super().__init__()
-        self.labels_key, self.ignore_index, self.shift_labels = labels_key, ignore_index, shift_labels
+        # ignore_index null follows the model (`follow`): the label its own loss ignores; -100 until then (torch's)
+        self.ignore_set = ignore_index is not None
+        self.labels_key, self.ignore_index, self.shift_labels = labels_key, -100 if ignore_index is None else ignore_index, shift_labels
         self.perplexity, self.accuracy = perplexity, accuracy
         self.per_sample = False  # the model's loss is a mean over samples whatever its labels (follow: a CTC model)
         if accuracy:
             self.main_metric, self.mode = "acc", "max"
 
     def follow(self, model) -> str:
-        """Settle `shift_labels` from the model where the config leaves it null; returns the choice in one line."""
+        """Settle `shift_labels` and `ignore_index` from the model where the config leaves them null; returns the
+        choices in one line."""
+        return "; ".join(filter(None, (self._follow_shift(model), self._follow_ignored(model))))
+
+    def _follow_ignored(self, model) -> str:
+        """The label the model's own loss ignores: a Hugging Face segmentation model says it in its config
+        (`semantic_loss_ignore_index`, 255 for SegFormer, BEiT, DPT, UperNet); -100 (torch's) for the others. Counted
+        with any other index, its ignored pixels weigh a batch: a wrong evaluation loss, ranks' batches weighed wrongly."""
+        own = getattr(getattr(model, "config", None), "semantic_loss_ignore_index", None)
+        if not isinstance(own, int) or own == self.ignore_index:
+            return ""
+        name = type(model).__name__
+        if self.ignore_set:
+            return (f"task.ignore_index={self.ignore_index} (set in the config), but {name}'s own loss ignores label "
+                    f"{own} (config.semantic_loss_ignore_index): labels {own} are counted as items and each batch is "
+                    f"weighed wrongly; set task.ignore_index={own}, or leave it null to follow the model")
+        self.ignore_index = own
+        return f"task.ignore_index={own}: {name}'s own loss ignores label {own} (config.semantic_loss_ignore_index)"
+
+    def _follow_shift(self, model) -> str:
         if self.shift_labels is not None:
             return f"task.shift_labels={str(self.shift_labels).lower()} (set in the config)"
         name = type(model).__name__
@@ -261,11 +282,27 @@ class ModelLoss(Task):
             if labels is None:
                 raise KeyError(f"task.accuracy=true compares the model's logits with the batch's "
                                f"{self.labels_key!r}, which the batch does not have: set task.labels_key.")
-            logits = logits_of(output)
-            predicted = logits[..., :-1, :] if labels.shape != logits.shape[:-1] else logits  # a shifted LM's
             counted = labels != self.ignore_index
-            sums["correct"] = ((predicted.argmax(-1) == labels) & counted).sum()
+            sums["correct"] = ((self.predicted(logits_of(output), labels) == labels) & counted).sum()
         return sums
+
+    def predicted(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The predicted class of every label: classes last (a classifier, a token classifier; a shifted LM's logits
+        without their last position), or classes first, (N, C, *spatial), as a segmentation model gives them, at a
+        lower resolution than its labels (SegFormer: a quarter): brought to the labels' size as the model's own loss
+        brings them (bilinear)."""
+        if logits.shape[:-1] == labels.shape:
+            return logits.argmax(-1)
+        if self.shift_labels and logits.dim() == labels.dim() + 1 and logits.shape[:-1] == (*labels.shape[:-1], labels.shape[-1] + 1):
+            return logits[..., :-1, :].argmax(-1)  # a shifted LM's: labels[:, 1:] against logits[:, :-1]
+        if logits.dim() == labels.dim() + 1 and logits.dim() >= 3 and logits.shape[0] == labels.shape[0]:
+            if logits.shape[2:] != labels.shape[1:]:
+                mode = {1: "linear", 2: "bilinear", 3: "trilinear"}[labels.dim() - 1]
+                logits = F.interpolate(logits.float(), size=labels.shape[1:], mode=mode, align_corners=False)
+            return logits.argmax(1)
+        raise ValueError(f"task.accuracy=true: the model's logits {tuple(logits.shape)} do not match its "
+                         f"{self.labels_key!r} {tuple(labels.shape)} (classes last, or classes first as "
+                         f"(N, C, *spatial)): leave task.accuracy off for this model, or report it from your own task")
 
     def tokens(self, batch) -> int:
         ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch[0] if isinstance(batch, Sequence) else batch

@@ -240,6 +240,8 @@ def check_one_batch(cfg: Config, problems: list[str]) -> None:
                 if len(problems) > before:
                     return
             task.loss(output, targets)
+            if small:  # the evaluation's metrics too (an accuracy on logits it cannot read failed at the first eval)
+                task.sums(output, targets)
     except Exception as error:  # noqa: BLE001 (any failure of the user's code is reported, with its type)
         message = " ".join(str(error).split())
         if isinstance(error, NotImplementedError) or any(hint in message for hint in NOT_ON_META):
