@@ -94,14 +94,23 @@ def test_fsdp_groups_of_two_processes_heal_shard_by_shard_and_end_identical(tmp_
         assert f"replica group {group}: weights identical to the other groups' at step 24 (2 taking part)" in proc.stdout
 
 
+def back(tmp_path) -> dict[str, str]:
+    """Group 0 waits before its last evaluation until the restarted group 1 is about to ask for its first quorum
+    (tests/faults: END_WAIT_MARKER and HEAL_MARKER, one file; never held at a step before): no 15 s guess of how long
+    a restart takes under load."""
+    marker = str(tmp_path / "group-1-back")
+    return {"END_WAIT_MARKER": marker, "HEAL_MARKER": marker, "HEAL_BEFORE_STEP": str(10**9)}
+
+
 def test_a_group_back_as_the_others_end_heals_in_their_last_quorum_and_checks_its_weights_there(tmp_path, launch):
-    """Group 1 dies after its last step and is back (from no checkpoint) while group 0, done, is slow to end: group
+    """Group 1 dies after its last step and is back (from no checkpoint) while group 0, done, is slow to end (it waits
+    before its last evaluation until group 1 is about to ask for its first quorum; tests/faults): group
     1's first quorum is group 0's last one (its weight check), in which group 1 heals straight to the end. Group 1
     then checks its weights in that same quorum; in a new one, which group 0 (waiting in its check's all-reduce)
     never joins, both waited until trainer.timeout_s (a 300 s hang seen under load)."""
     run_dir = tmp_path / "run"
     proc = launch(*GROUPS, "launcher.max_restarts=1", "trainer.timeout_s=60", f"hydra.run.dir={run_dir}",
-                  env={**killed(group=1, step=0), "FAULT": "kill_at_end", "END_DELAY_MS": "15000"}, timeout=180)
+                  env={**killed(group=1, step=0), "FAULT": "kill_at_end", **back(tmp_path)}, timeout=180)
     assert proc.returncode == 0, proc.stderr
     healed = [int(line.split()[-1]) for line in proc.stderr.splitlines() if "healed from a live replica group" in line]
     assert healed == [24]  # straight to the end, in group 0's last quorum

@@ -25,6 +25,8 @@ restart runs clean):
   FAULT_GROUP=G   with replica groups (trainer.fault_tolerance=replicas): the fault acts in group G only
   END_DELAY_MS    with replica groups: the ranks of group END_DELAY_GROUP (default 0) wait this long, in every
                   attempt, before the run's last evaluation and save (a group slow to end), beside any FAULT
+  END_WAIT_MARKER the same ranks wait there until this file exists (at most 300 s): with HEAL_MARKER the same file,
+                  until a restarted group is about to ask for its first quorum
   FAULT=kill_at_end  SIGKILL itself at the run's last evaluation, after its last step (first attempt)
   STEP_DELAY_MS   every optimizer step of every rank, in every attempt, takes this much longer (a slower model),
                   beside any FAULT; also in a SLURM task (a rank that sets RANK itself, after its start)
@@ -261,9 +263,11 @@ def act() -> None:
     _end_delay = int(os.environ.get("END_DELAY_MS", "0")) / 1000 if _group == os.environ.get("END_DELAY_GROUP", "0") else 0
     _end_kill = os.environ.get("FAULT") == "kill_at_end" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0") \
         and _group == os.environ.get("FAULT_GROUP", _group) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if (_end_delay or _end_kill) and os.environ.get("RANK") is not None:
+    _end_marker = os.environ.get("END_WAIT_MARKER") if _group == os.environ.get("END_DELAY_GROUP", "0") else None
+    if (_end_delay or _end_kill or _end_marker) and os.environ.get("RANK") is not None:
         import signal
         import threading
+        import time
 
         import train.loop
 
@@ -274,6 +278,9 @@ def act() -> None:
                 if _end_kill:
                     os.kill(os.getpid(), signal.SIGKILL)
                 threading.Event().wait(_end_delay)
+                deadline = time.monotonic() + 300
+                while _end_marker and not os.path.exists(_end_marker) and time.monotonic() < deadline:
+                    threading.Event().wait(0.05)
             return _evaluate(run, *args, **kwargs)
 
         replace(train.loop, "evaluate_and_save", late_evaluate_and_save)
