@@ -339,6 +339,15 @@ def test_the_sbatch_script_asks_for_the_world_the_config_describes():
     replicas = typed("launcher=slurm", "trainer.nodes=2", "trainer.fault_tolerance=replicas", "trainer.replica_groups=2")
     assert "--kill-on-bad-exit" not in _make_sbatch_string(command="python -m x", folder="/tmp/f",
                                                             **executor_parameters(replicas))
+    # An elastic world: the node range for the job, the tasks per node for srun (a job's --ntasks-per-node fixes its
+    # task count at the first allocation: SLURM started it on the fewest nodes and a requeue kept that count)
+    elastic = typed("launcher=slurm", "trainer.nodes=4", "trainer.min_nodes=2", "trainer.procs_per_node=2",
+                    "launcher.cpus_per_task=3")
+    script = _make_sbatch_string(command="python -m x", folder="/tmp/f", **executor_parameters(elastic))
+    assert "#SBATCH --nodes=2-4" in script and "#SBATCH --mincpus=6" in script and "--ntasks-per-node" not in \
+        "".join(line for line in script.splitlines() if line.startswith("#SBATCH"))
+    [srun] = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert "--ntasks-per-node=2 --cpus-per-task=3 --kill-on-bad-exit=1" in srun
 
 
 def test_each_task_gets_its_share_of_the_node_cpus_and_survives_a_preemption_sigterm():
@@ -508,3 +517,44 @@ def test_a_study_runs_its_trials_as_two_node_jobs_and_prunes_one_by_cancelling_i
         said = json.loads((run_dir / "status.json").read_text())
         assert said["status"] == "stopped" and said["step"] < 96, said  # stopped early, at a step boundary
         assert final_checkpoint(run_dir)["step"] == said["step"]
+
+
+def test_an_elastic_job_starts_on_the_nodes_free_and_resumes_on_more_after_its_requeue(cluster, launch, tmp_path):
+    """trainer.nodes=2 trainer.min_nodes=1 (--nodes=1-2): with n2 taken by another job the run starts on n1 alone,
+    accumulating to the global batch of two nodes; SLURM's warning signal makes it save and requeue, n2 is free by
+    then, and the requeued job resumes on both nodes. It ends with the weights of a fixed two-process run within
+    1e-6 (relative: the summation order is the only difference)."""
+    blocker = subprocess.run(["sbatch", "--parsable", "--nodelist=n2", "--nodes=1", f"--output={tmp_path}/blocker.out",
+                              "--wrap", "sleep 600"], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        wait_for(lambda: state(blocker) == "RUNNING", timeout=60, what="the job holding n2 to start")
+        elastic = [*JOB, "model.dropout=0.0", "trainer.min_nodes=1", "trainer.max_steps=16", "trainer.log_every=1",
+                   "data.batch_size=16"]
+        run_dir = tmp_path / "elastic"
+        proc = launch(*elastic, f"hydra.run.dir={run_dir}", env={"PYTHONPATH": str(FAULTS_DIR), "STEP_DELAY_MS": "300"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        job_id = submitted_job_id(proc.stdout)
+        wait_for(lambda: any(step >= 3 for step in logged_steps(run_dir)), 180, "training on one node")
+        first = json.loads((run_dir / "plan.json").read_text())
+        assert first["world_size"] == 1 and first["accumulate"] == 2 and first["global_batch"] == 2 * 16, first
+    finally:
+        subprocess.run(["scancel", blocker], check=True)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # what SLURM sends before a time limit
+    wait_for(lambda: "Restarts=1" in _show(job_id), timeout=120, what="the job to requeue itself")
+    start_requeued_now(job_id)
+    wait_until_ended([job_id], run_dir)
+    second = json.loads((run_dir / "plan.json").read_text())
+    assert second["world_size"] == 2 and second["accumulate"] == 1 and second["global_batch"] == 2 * 16, second
+    out = (slurm_folder(run_dir) / f"{job_id}_0_log.out").read_text()
+    assert "; resumed at step" in out
+
+    reference = tmp_path / "fixed"
+    fixed = launch(*[o for o in elastic if o not in ("launcher=slurm", "trainer.nodes=2", "trainer.min_nodes=1",
+                                                     "trainer.procs_per_node=1")],
+                   "trainer.procs_per_node=2", f"hydra.run.dir={reference}")
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    a, b = final_checkpoint(reference), final_checkpoint(run_dir)
+    assert a["step"] == b["step"] == 16
+    for name, expected in a["model"].items():
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(b["model"][name], expected, rtol=1e-6, atol=1e-6 * scale)

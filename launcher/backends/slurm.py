@@ -140,7 +140,23 @@ def executor_parameters(cfg: Config, cpus_per_node: int = 0) -> dict:
         # rank that is gone, or for a frozen one that a hang report named (SLURM kills it even stopped). Replica
         # groups run on, and a node's task that failed for good leaves the others to finish.
         parameters["srun_args"] = ["--kill-on-bad-exit=1"]
+    if cfg.trainer.min_nodes:
+        elastic_nodes(cfg, parameters)
     return parameters
+
+
+def elastic_nodes(cfg: Config, parameters: dict) -> None:
+    """An elastic world (trainer.min_nodes): `--nodes=MIN-MAX`, and SLURM gives the job as many nodes as are free
+    within the range, at its start and again at each requeue; the tasks' world is the nodes it gave times
+    trainer.procs_per_node (SLURM_NTASKS), and the trainer keeps trainer.nodes' global batch (train/plan.py).
+    The tasks per node go to srun, not to the job: a job's --ntasks-per-node fixes its task count at the first
+    allocation (MIN x tasks: SLURM then starts it on MIN nodes, and a requeue keeps that count), while --mincpus
+    still reserves each node's CPUs for its tasks. submitit counts trainer.nodes x 1 tasks: only for its results."""
+    per_node, cpus = tasks_per_node(cfg), parameters.get("cpus_per_task", 1)
+    parameters.pop("ntasks_per_node")
+    parameters["additional_parameters"] = {"nodes": f"{cfg.trainer.min_nodes}-{cfg.trainer.nodes}",
+                                           "mincpus": per_node * cpus, **parameters["additional_parameters"]}
+    parameters["srun_args"] = [f"--ntasks-per-node={per_node}", f"--cpus-per-task={cpus}", *parameters.get("srun_args", [])]
 
 
 def task_python() -> str:
@@ -241,9 +257,11 @@ class Slurm(SubmittingBackend):
                                 f"{', '.join(partitions)}.")
                 return
             nodes = sum(int(n) for n in _slurm("sinfo", "-h", "-p", partition, "-o", "%D")) if partition else 0
-            if partition and cfg.trainer.nodes > nodes:
-                problems.append(f"trainer.nodes={cfg.trainer.nodes}, but partition {partition!r} has {nodes} node(s): "
-                                f"use trainer.nodes={nodes} or fewer, or another launcher.partition.")
+            fewest = cfg.trainer.min_nodes or cfg.trainer.nodes  # an elastic job starts on as few as min_nodes
+            if partition and fewest > nodes:
+                key = "trainer.min_nodes" if cfg.trainer.min_nodes else "trainer.nodes"
+                problems.append(f"{key}={fewest}, but partition {partition!r} has {nodes} node(s): "
+                                f"use {key}={nodes} or fewer, or another launcher.partition.")
         except (RuntimeError, subprocess.TimeoutExpired) as error:
             problems.append(f"launcher=slurm: cannot reach the SLURM controller ({error}); check SLURM_CONF and that "
                             f"slurmctld runs.")

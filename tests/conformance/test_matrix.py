@@ -81,8 +81,9 @@ NOT_APPLICABLE = {
     ("slurm", "lost"): "the test cluster's two nodes are one host's slurmd processes: SLURM's own NODE_FAIL and "
                        "requeue cannot be produced here",
     ("local", "elastic"): "one node: an elastic world is nodes that leave and join (the nodes row)",
-    ("slurm", "elastic"): "not in this version: a lost node restarts the job at its size (launcher=slurm refuses "
-                          "trainer.min_nodes)",
+    ("slurm", "elastic"): "a node that leaves mid-job is SLURM's NODE_FAIL, which the test cluster (one host's "
+                          "slurmd processes) cannot produce; an elastic job (--nodes=MIN-MAX) that starts smaller and "
+                          "resumes larger after its requeue: tests/test_slurm.py",
     ("ray", "elastic"): "not in this version: a lost node restarts the job at its size (launcher=ray refuses "
                         "trainer.min_nodes)",
     ("replicas", "elastic"): "replica groups train on without a lost group: trainer.min_nodes is refused with them",
