@@ -72,7 +72,7 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     nodes: int = 1  # number of machines; world size = nodes x processes per node
-    min_nodes: int = 0  # elastic (nodes by rendezvous; SLURM: --nodes=MIN-MAX, the size set at each start and requeue): start once this many nodes are there, go on when nodes leave or join, with trainer.nodes' global batch, schedule and data order (docs/fault-tolerance.md); 0: a fixed world of trainer.nodes
+    min_nodes: int = 0  # elastic (nodes by rendezvous; Ray: the nodes it has, joining ones taken; SLURM: --nodes=MIN-MAX, set at each start and requeue): start once this many nodes are there, go on when nodes leave or join, with trainer.nodes' global batch, schedule and data order (docs/fault-tolerance.md); 0: a fixed world of trainer.nodes
     gpus: int = 0  # GPUs per node, one process each (NCCL); 0 trains on CPU with procs_per_node processes
     procs_per_node: int = 1  # CPU processes per node when gpus=0 (gloo)
     backend: str = "auto"  # auto (nccl on GPUs, gloo on CPU) | gloo | nccl

@@ -7,6 +7,11 @@ only contract. A lost node (its actor dies) or a failed rank stops every node's 
 launcher.max_restarts allows, starts them again (on the nodes left or returned) on a fresh rendezvous: training
 resumes from the last checkpoint. `ray job stop` sends this process SIGTERM: every agent is asked to stop, the ranks
 save and stop. The job's lease on the run directory is renewed here, and released at its end.
+
+Elastic (trainer.min_nodes): each attempt reserves as many nodes as the cluster can hold within [min_nodes, nodes]
+(a lost node: the next attempt at the smaller world, with trainer.nodes' global batch); while below trainer.nodes
+the driver looks for a node that has come and starts an agent there, which joins the running rendezvous: torch's
+agents stop their ranks at a step boundary with a checkpoint and all start again at the larger world.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from pathlib import Path
 
 import ray
 from omegaconf import OmegaConf
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from launcher.backends.base import lease_holder_alive
 from launcher.backends.network import NODE_ADDR_ENV
@@ -92,6 +97,7 @@ class NodeAgent:
 
 
 PEERS_REPORT_S = 20.0  # after a node's agent failed: how long the others' reports are awaited before every node stops
+JOIN_LOOK_S = 2.0  # elastic, below trainer.nodes: how often the cluster is looked at for a node to take
 
 class Driver:
     def __init__(self, snapshot: Path):
@@ -100,6 +106,7 @@ class Driver:
         self.cfg: Config = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(snapshot))
         self.stop_asked = False
         self.agents: list = []
+        self.joined: list[str] = []  # elastic: the nodes that joined this attempt after its start (their Ray ids)
         self.work = self.run_dir / WORK_DIR  # the ranks' working directory (working_copy)
 
     def on_stop(self, signum, frame) -> None:
@@ -108,39 +115,78 @@ class Driver:
         for agent in self.agents:
             agent.stop.remote()
 
+    def fitting_nodes(self) -> list[str]:
+        """The ids of the cluster's alive nodes that could hold one node's bundle (its total resources)."""
+        need = bundle(self.cfg)
+        return [n["NodeID"] for n in ray.nodes()
+                if n.get("Alive") and all(n.get("Resources", {}).get(k, 0) >= v for k, v in need.items())]
+
+    def size_now(self) -> int:
+        """How many nodes to reserve: trainer.nodes; elastic (trainer.min_nodes), as many as the cluster has now
+        within [min_nodes, nodes] (at least min_nodes: the reservation waits for them)."""
+        t = self.cfg.trainer
+        return t.nodes if not t.min_nodes else max(t.min_nodes, min(t.nodes, len(self.fitting_nodes())))
+
     def reserve(self):
         """The placement group of the run's nodes, once the cluster can hold it (nodes lost come back, or others
         free up) within launcher.rdzv_timeout_s."""
-        group = placement_group([bundle(self.cfg)] * self.cfg.trainer.nodes, strategy="STRICT_SPREAD",
-                                name=f"{os.environ.get('LAUNCHER_RAY_JOB', 'run')}")
         deadline = time.monotonic() + self.cfg.launcher.rdzv_timeout_s
-        ready = []
-        while not ready and time.monotonic() < deadline and not self.stop_asked:  # short waits: a SIGTERM is seen
-            ready, _ = ray.wait([group.ready()], timeout=1.0)
-        if not ready:
-            remove_placement_group(group)
-            raise RuntimeError(f"the Ray cluster could not hold {self.cfg.trainer.nodes} nodes of {bundle(self.cfg)} "
-                               f"within launcher.rdzv_timeout_s={self.cfg.launcher.rdzv_timeout_s}")
-        return group
+        while True:
+            size = self.size_now()
+            group = placement_group([bundle(self.cfg)] * size, strategy="STRICT_SPREAD",
+                                    name=f"{os.environ.get('LAUNCHER_RAY_JOB', 'run')}")
+            ready, until = [], min(deadline, time.monotonic() + 10)
+            while not ready and time.monotonic() < until and not self.stop_asked:  # short waits: a SIGTERM is seen
+                ready, _ = ray.wait([group.ready()], timeout=1.0)
+            if ready:
+                return group, size
+            remove_placement_group(group)  # elastic: the nodes counted may have gone meanwhile; count again
+            if time.monotonic() >= deadline or self.stop_asked:
+                raise RuntimeError(f"the Ray cluster could not hold {size} nodes of {bundle(self.cfg)} within "
+                                   f"launcher.rdzv_timeout_s={self.cfg.launcher.rdzv_timeout_s}")
+
+    def join_new_nodes(self, group, runs: dict, endpoint: str, restarts: int, lease_key: str) -> None:
+        """Elastic, below trainer.nodes: an agent on each node that has come (or come back) and can hold a node's
+        bundle. It joins the running nodes' rendezvous; their agents stop their ranks at the next step boundary
+        (a checkpoint; not counted as a restart) and every node starts again at the larger world."""
+        used = set(placement_group_table(group)["bundles_to_node_id"].values()) | set(self.joined)
+        for node_id in self.fitting_nodes():
+            if len(self.agents) >= self.cfg.trainer.nodes or node_id in used:
+                continue
+            agent = NodeAgent.options(num_cpus=bundle(self.cfg)["CPU"], num_gpus=bundle(self.cfg).get("GPU", 0),
+                                      scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+            self.agents.append(agent)
+            self.joined.append(node_id)
+            runs[agent.run.remote(str(self.snapshot), endpoint, restarts, lease_key, str(self.work))] = len(runs)
+            print(f"attempt {restarts}: a node joins (Ray node {node_id[:8]}): {len(self.agents)} of "
+                  f"trainer.nodes={self.cfg.trainer.nodes}", flush=True)
 
     def attempt(self, restarts: int) -> tuple[int, str]:
         """Run every node's agent once: (exit code, what happened)."""
-        group = self.reserve()
+        group, size = self.reserve()
+        self.joined = []
         try:
             self.agents = [NodeAgent.options(
                 num_cpus=bundle(self.cfg)["CPU"], num_gpus=bundle(self.cfg).get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-            ).remote() for i in range(self.cfg.trainer.nodes)]
+            ).remote() for i in range(size)]
             host, port = ray.get(self.agents[0].address.remote())
             endpoint = f"{host}:{port}"
-            print(f"attempt {restarts}: {self.cfg.trainer.nodes} node(s), rendezvous at {endpoint}", flush=True)
+            of = f" of trainer.nodes={self.cfg.trainer.nodes} (elastic)" if size != self.cfg.trainer.nodes else ""
+            print(f"attempt {restarts}: {size} node(s){of}, rendezvous at {endpoint}", flush=True)
             if self.stop_asked:
                 return STOPPED_EXIT_CODE, "stopped before it started"
             lease_key = os.environ.get(LEASE_KEY_ENV, "")
             runs = {agent.run.remote(str(self.snapshot), endpoint, restarts, lease_key, str(self.work)): i
                     for i, agent in enumerate(self.agents)}
-            pending = list(runs)
+            pending, looked = list(runs), time.monotonic()
             while pending:
+                if self.cfg.trainer.min_nodes and len(self.agents) < self.cfg.trainer.nodes and \
+                        time.monotonic() - looked > JOIN_LOOK_S and not self.stop_asked:
+                    looked = time.monotonic()
+                    before = set(runs)
+                    self.join_new_nodes(group, runs, endpoint, restarts, lease_key)
+                    pending += [ref for ref in runs if ref not in before]
                 done, pending = ray.wait(pending, num_returns=1, timeout=1.0)  # short waits: a SIGTERM is seen
                 if not done:
                     continue

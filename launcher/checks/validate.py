@@ -445,11 +445,10 @@ def _check_elastic(cfg: Config, problems: list[str]) -> None:
         problems.append(f"trainer.min_nodes={t.min_nodes} must be between 1 and trainer.nodes={t.nodes} (the most "
                         f"nodes the run takes, whose global batch it keeps), {fix}.")
         return
-    if cfg.launcher.name not in ("local", "slurm"):
+    if cfg.launcher.name not in ("local", "slurm", "ray"):
         problems.append(f"trainer.min_nodes={t.min_nodes} with launcher={cfg.launcher.name}: an elastic world runs on "
-                        f"nodes by rendezvous (launcher.rdzv_endpoint, the same command on every node) and on SLURM "
-                        f"(--nodes=MIN-MAX) in this version; on {cfg.launcher.name} a lost node restarts the run at its "
-                        f"size: {fix}.")
+                        f"nodes by rendezvous (launcher.rdzv_endpoint, the same command on every node), on SLURM "
+                        f"(--nodes=MIN-MAX) and on Ray in this version: {fix}.")
     if cfg.program.name == "script":
         problems.append(f"trainer.min_nodes={t.min_nodes} with program=script: the global batch a world change keeps "
                         f"is the trainer's plan; a script's own loop sees WORLD_SIZE change under torchrun "
@@ -462,7 +461,7 @@ def _check_elastic(cfg: Config, problems: list[str]) -> None:
         problems.append(f"trainer.min_nodes={t.min_nodes} with trainer.strategy={t.strategy}"
                         f"{f' trainer.tp={t.tp}' if t.tp > 1 else ''}: an elastic world deals the global batch out to "
                         f"the data-parallel ranks there are, under ddp or fsdp with trainer.tp=1: use one of them, {fix}.")
-    if cfg.launcher.name == "local" and cfg.launcher.max_restarts < 1:
+    if cfg.launcher.name in ("local", "ray") and cfg.launcher.max_restarts < 1:
         problems.append(f"trainer.min_nodes={t.min_nodes} needs launcher.max_restarts of 1 or more: a lost node "
                         f"restarts the others' workers at the smaller world, and each loss counts as a restart (a "
                         f"node that joins does not): e.g. launcher.max_restarts=3.")

@@ -84,10 +84,10 @@ NOT_APPLICABLE = {
     ("slurm", "elastic"): "a node that leaves mid-job is SLURM's NODE_FAIL, which the test cluster (one host's "
                           "slurmd processes) cannot produce; an elastic job (--nodes=MIN-MAX) that starts smaller and "
                           "resumes larger after its requeue: tests/test_slurm.py",
-    ("ray", "elastic"): "not in this version: a lost node restarts the job at its size (launcher=ray refuses "
-                        "trainer.min_nodes)",
     ("replicas", "elastic"): "replica groups train on without a lost group: trainer.min_nodes is refused with them",
 }
+NOT_APPLICABLE[("ray", "elastic_frozen")] = ("a Ray node frozen whole is declared dead by Ray's health checks and "
+                                             "its actor lost: the elastic cell's path")
 for _key, _why in list(NOT_APPLICABLE.items()):  # a node frozen whole: where a node lost is n/a, so is this
     if _key[1] == "elastic":
         NOT_APPLICABLE[(_key[0], "elastic_frozen")] = _why
@@ -97,7 +97,7 @@ for _key, _why in list(NOT_APPLICABLE.items()):  # a node frozen whole: where a 
 CI_CELLS = {
     ("local", "ddp", "stop"), ("local", "fsdp", "freeze"), ("local", "replicas", "stop"), ("local", "replicas", "freeze"),
     ("slurm", "ddp", "freeze"), ("slurm", "ddp", "fail"), ("slurm", "replicas", "fail"),
-    ("ray", "ddp", "lost"), ("ray", "ddp", "fail"), ("ray", "replicas", "fail"), ("nodes", "ddp", "lost"),
+    ("ray", "ddp", "elastic"), ("ray", "ddp", "fail"), ("ray", "replicas", "fail"), ("nodes", "ddp", "lost"),
     ("nodes", "fsdp", "elastic"),
 }
 

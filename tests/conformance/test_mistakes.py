@@ -233,10 +233,9 @@ MISTAKES = [
     ("elastic-with-replica-groups", ["trainer.nodes=2", "trainer.min_nodes=1", "launcher.max_restarts=1",
                                      "launcher.rdzv_endpoint=localhost:29731", "trainer.fault_tolerance=replicas"],
      ["with trainer.fault_tolerance=replicas: replica groups already train on", "pick one of the two"]),
-    ("elastic-on-ray", ["launcher=ray", "launcher.address=http://127.0.0.9:8265", "trainer.nodes=2",
-                        "trainer.min_nodes=1", "launcher.max_restarts=1"],
-     ["an elastic world runs on nodes by rendezvous (launcher.rdzv_endpoint, the same command on every node) and on "
-      "SLURM", "!Traceback"]),
+    ("elastic-on-ray-without-restarts", ["launcher=ray", "launcher.dry_run=true", "launcher.max_restarts=0", "trainer.nodes=2",
+                                         "trainer.min_nodes=1"],
+     ["trainer.min_nodes=1 needs launcher.max_restarts of 1 or more", "!Traceback"]),
     # --- trackers ------------------------------------------------------------------------------------------------
     ("mlflow-at-an-address-nobody-serves", ["+logger=mlflow", "loggers.mlflow.tracking_uri=http://127.0.0.9:5999"],
      ["loggers.mlflow.tracking_uri=http://127.0.0.9:5999: no MLflow server answers at 127.0.0.9:5999",
