@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import FAST, final_checkpoint, run_cli, wait_for
 from omegaconf import OmegaConf
 
@@ -167,3 +169,59 @@ def test_a_pruner_stops_a_trial_whose_evaluations_fall_behind_as_a_stop_signal_s
         assert said["step"] < 64  # stopped early, at a step boundary, with its checkpoint
         assert final_checkpoint(run_dir)["step"] == said["step"]
     assert "pruned after its evaluation at step" in proc.stdout
+
+
+# A user's own loop that reports a validation score: best near lr 0.1, rising slowly with the steps; it listens for
+# the stop (ddp_loop.should_stop) and saves its own checkpoint there.
+SCRIPT_TRIAL = """
+import argparse
+import json
+import math
+
+import torch.distributed as dist
+
+import ddp_loop
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float)
+lr = parser.parse_args().lr
+dist.init_process_group("gloo")
+for step in range(1, 41):
+    if ddp_loop.should_stop():
+        (ddp_loop.checkpoint_dir() / "mine.json").write_text(json.dumps({"step": step}))
+        break
+    if step % 4 == 0:
+        ddp_loop.report(step, val_score=1 - abs(math.log10(lr) + 1) / 4 + step / 1000)
+    import time; time.sleep(0.1)
+dist.destroy_process_group()
+"""
+
+
+def test_a_study_of_a_script_scores_what_it_reports_and_prunes_it_through_its_stop(tmp_path):
+    """program=script: the objective is a figure the script reports (checkpoint.monitor, checkpoint.mode); without
+    them the study is refused before any trial. The median pruner reads the reports as they are written, and a
+    pruned trial's ranks get the stop signal (the script saves and ends through ddp_loop.should_stop)."""
+    (tmp_path / "trial.py").write_text(SCRIPT_TRIAL)
+    sweep_dir = tmp_path / "sweep"
+    words = ["-m", "hydra/sweeper=optuna", "program=script", "program.script=trial.py", "trainer.procs_per_node=1",
+             "program.args=[--lr,${optim.lr}]", "optim.lr=choice(0.1, 0.0001, 0.0002)", "hydra.sweeper.sampler=random",
+             "hydra.sweeper.seed=6", "hydra.sweeper.n_trials=3", "hydra.sweeper.pruner=median",
+             f"hydra.sweep.dir={sweep_dir}"]
+    refused = run_cli("launcher", *words, cwd=tmp_path, timeout=120)
+    assert refused.returncode != 0 and "checkpoint.monitor=NAME checkpoint.mode=max" in refused.stderr
+    assert not list(sweep_dir.glob("*/status.json"))
+    proc = run_cli("launcher", *words, "checkpoint.monitor=val_score", "checkpoint.mode=max", cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    every = trials(sweep_dir)
+    print([(t.number, t.state.name, t.params, t.value) for t in every])
+    complete = [t for t in every if t.state.name == "COMPLETE"]
+    pruned = [t for t in every if t.state.name == "PRUNED"]
+    assert complete and pruned, [(t.state.name, t.params) for t in every]
+    best = max(complete, key=lambda t: t.value)
+    assert best.params["optim.lr"] == 0.1 and best.value == pytest.approx(1 + 40 / 1000)  # its last report, step 40
+    for run_dir in (p.parent for p in sweep_dir.glob("*/status.json")):
+        said = json.loads((run_dir / "status.json").read_text())
+        if said.get("pruned"):
+            assert said["status"] == "stopped"  # the script ended cleanly at its stop, with its own save
+            step = json.loads((run_dir / "checkpoints" / "mine.json").read_text())["step"]
+            assert step < 40

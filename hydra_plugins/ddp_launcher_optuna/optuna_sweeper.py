@@ -116,18 +116,26 @@ def direction_of(config: DictConfig) -> str:
     return "maximize" if mode == "max" else "minimize"
 
 
-def score(run_dir: Path) -> float | None:
-    """The best value of the monitored metric that the run wrote at its end; None if it did not finish."""
+def score(run_dir: Path, script_metric: tuple[str, str] | None = None) -> float | None:
+    """The best value of the monitored metric that the run wrote at its end; None if it did not finish. A script's
+    (`script_metric`: its name and direction): the best it reported with ddp_loop.report over the run."""
     import json
 
     try:
         status = json.loads((run_dir / STATUS_FILE).read_text())
     except (FileNotFoundError, ValueError):
         return None
-    value = status.get("best")
+    value = status.get("best") if script_metric is None else reported_best(run_dir, *script_metric)
     if status.get("status") != "finished" or value is None or not math.isfinite(value):
         return None
     return float(value)
+
+
+def reported_best(run_dir: Path, name: str, direction: str) -> float | None:
+    from train.observe.metrics import read_records
+
+    values = [float(r[name]) for r in read_records(run_dir) if isinstance(r.get(name), (int, float))]
+    return (max if direction == "maximize" else min)(values) if values else None
 
 
 def finished(run_dir: Path) -> bool:
@@ -163,8 +171,9 @@ class TrialWatch:
     launch). A pruned trial's ranks (this process's descendants running its config snapshot) get SIGTERM, the stop
     signal: they save at their step boundary and end, and the launch returns."""
 
-    def __init__(self, trial, sweep_dir: Path, overrides: list[str], every_s: float = 0.5):
+    def __init__(self, trial, sweep_dir: Path, overrides: list[str], every_s: float = 0.5, script_metric: str = ""):
         self.trial, self.sweep_dir, self.overrides = trial, sweep_dir, sorted(overrides)
+        self.script_metric = script_metric  # program=script: the metric its ranks report (ddp_loop.report)
         self.pruned_at: int | None = None
         self.run_dir: Path | None = None
         self.reported: set[int] = set()
@@ -184,19 +193,25 @@ class TrialWatch:
             self._look(act=False)  # run's; a run that ended is not pruned after the fact
 
     def _watch(self, every_s: float) -> None:
-        while not self.done.wait(every_s):
-            if self.pruned_at is None:
-                self._look()
-            else:  # until the launch returns: ranks still starting (a resumed run) get it once they are there
-                self._stop_ranks()
+        try:
+            while not self.done.wait(every_s):
+                if self.pruned_at is None:
+                    self._look()
+                else:  # until the launch returns: ranks still starting (a resumed run) get it once they are there
+                    self._stop_ranks()
+        except Exception as error:  # noqa: BLE001 - said, not a thread that ends unseen (a trial never pruned)
+            print(f"trial {self.trial.number}: its pruning stopped ({type(error).__name__}: {error}); it runs to its "
+                  f"end", flush=True)
 
     def _find(self) -> Path | None:
         """The trial's run directory: the one under the sweep whose Hydra record holds its overrides."""
+        import yaml
+
         for record in self.sweep_dir.glob("*/.hydra/overrides.yaml"):
-            try:
-                if record.stat().st_mtime >= self.started - 1 and sorted(OmegaConf.load(record)) == self.overrides:
+            try:  # as written: an override's ${...} is text here (OmegaConf would resolve it, and fail)
+                if record.stat().st_mtime >= self.started - 1 and sorted(yaml.safe_load(record.read_text())) == self.overrides:
                     return record.parent.parent
-            except (OSError, ValueError):
+            except (OSError, ValueError, TypeError):
                 continue
         return None
 
@@ -206,13 +221,15 @@ class TrialWatch:
         self.run_dir = self.run_dir or self._find()
         if self.run_dir is None:
             return
-        try:
-            monitor = json.loads((self.run_dir / "plan.json").read_text())["monitor"]
-        except (OSError, ValueError, KeyError):
-            return  # not started training yet
+        monitor, kind = self.script_metric, None  # a script's reports are all of kind "train"
+        if not monitor:
+            try:
+                monitor, kind = json.loads((self.run_dir / "plan.json").read_text())["monitor"], "eval"
+            except (OSError, ValueError, KeyError):
+                return  # not started training yet
         for record in read_records(self.run_dir):
             step, value = record.get("step"), record.get(monitor)
-            if record.get("kind") != "eval" or step in self.reported or not isinstance(value, (int, float)):
+            if kind not in (None, record.get("kind")) or step in self.reported or not isinstance(value, (int, float)):
                 continue
             if record.get("time", math.inf) < self.started - 1:
                 # An earlier launch's (a trial asked again with the values of one pruned or interrupted before): this
@@ -252,13 +269,18 @@ class TrialWatch:
         from train.host import descendants
 
         snapshot = str(self.run_dir / "config.yaml").encode()
+        script_rank = f"LAUNCHER_RUN_DIR={self.run_dir}".encode()  # a script's ranks: ddp_loop with the trial's folder
         for pid in set(descendants(os.getpid())) - self.signalled:
             try:
                 command = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+                ours = (snapshot in command and b"train" in command) or (
+                    b"ddp_loop" in command and script_rank in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"))
             except OSError:
                 continue
-            if snapshot not in command or b"train" not in command or not _catches(pid, signal.SIGTERM):
-                continue  # not a rank of the trial (python -P -m train SNAPSHOT), or one still starting: it would die
+            if not ours or not _catches(pid, signal.SIGTERM):
+                # not a rank of the trial (python -P -m train SNAPSHOT, python -m ddp_loop SCRIPT), or one still
+                # starting (it would die), or a script that does not listen (ddp_loop.should_stop): it runs to its end
+                continue
             self.signalled.add(pid)  # once: a second SIGTERM would stop it at once, without its checkpoint
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -287,6 +309,15 @@ class OptunaSweeper(Sweeper):
                              f"launcher={backend} returns once the job is submitted; add launcher.wait=true (each "
                              f"trial's launch waits for its job; hydra.sweeper.n_jobs trials' jobs at once with "
                              f"hydra/launcher=joblib)")
+        self.script_metric = ""
+        if OmegaConf.select(config, "program.name", default="trainer") == "script":
+            # A script's own loop has no task: the study's objective is a figure it reports (ddp_loop.report)
+            self.script_metric = OmegaConf.select(config, "checkpoint.monitor", default="") or ""
+            mode = OmegaConf.select(config, "checkpoint.mode", default="") or ""
+            if not self.script_metric or (self.direction == "auto" and mode not in ("min", "max")):
+                raise ValueError("hydra/sweeper=optuna with program=script: the study's objective is a figure your "
+                                 "script reports with ddp_loop.report(step, NAME=value): name it and say which way is "
+                                 "better, checkpoint.monitor=NAME checkpoint.mode=max (or min)")
         if self.n_jobs > 1 and type(self.launcher).__name__ == "BasicLauncher":
             raise ValueError(f"hydra.sweeper.n_jobs={self.n_jobs}: Hydra's basic launcher runs one trial at a time; add "
                              f"hydra/launcher=joblib hydra.launcher.n_jobs={self.n_jobs} (pip install "
@@ -343,7 +374,8 @@ class OptunaSweeper(Sweeper):
             self.validate_batch_is_legal(batch)
             watching = self.pruner_name != "none" and not planning
             with contextlib.ExitStack() as stack:
-                watches = [stack.enter_context(TrialWatch(trial, sweep_dir, overrides)) if watching else None
+                watches = [stack.enter_context(TrialWatch(trial, sweep_dir, overrides, script_metric=self.script_metric))
+                           if watching else None
                            for trial, overrides in zip(trials, batch)]
                 try:
                     results = self.launcher.launch(batch, initial_job_idx=index)
@@ -354,14 +386,17 @@ class OptunaSweeper(Sweeper):
             returns.extend(results)
             for trial, overrides, result, watch in zip(trials, batch, results, watches):
                 run_dir = Path(result.hydra_cfg.hydra.runtime.output_dir)
-                if watch is not None and watch.pruned_at is not None and not finished(run_dir):
+                # A script's ranks that took the stop end as they end when done (exit 0: "finished"): signalled, it
+                # was stopped. The trainer says "stopped" itself, and "finished" when the stop came too late.
+                stopped = not finished(run_dir) or bool(self.script_metric and watch and watch.signalled)
+                if watch is not None and watch.pruned_at is not None and stopped:
                     failed = 0
-                    self._mark_pruned(run_dir, watch.pruned_at)
+                    self._mark_pruned(run_dir, watch.pruned_at, script=bool(self.script_metric))
                     study.tell(trial, state=TrialState.PRUNED)
                     print(f"trial {trial.number}: pruned after its evaluation at step {watch.pruned_at}  "
                           f"{' '.join(overrides)}")
                     continue
-                value = score(run_dir)
+                value = score(run_dir, (self.script_metric, direction) if self.script_metric else None)
                 if planning:  # a dry run plans one trial's run: the study itself needs real runs
                     study.tell(trial, state=TrialState.FAIL)
                     print(f"dry run: planned trial {trial.number} ({' '.join(overrides)}); the study runs "
@@ -381,12 +416,14 @@ class OptunaSweeper(Sweeper):
         return returns
 
     @staticmethod
-    def _mark_pruned(run_dir: Path, step: int) -> None:
-        """The stopped run's status.json says it was pruned (the sweep's summary shows it), keeping the rest."""
+    def _mark_pruned(run_dir: Path, step: int, script: bool = False) -> None:
+        """The stopped run's status.json says it was pruned (the sweep's summary shows it), keeping the rest; a
+        script's says "stopped" (its ranks ended well at the stop: the launcher wrote "finished")."""
         from train.observe.status import read_status, write_status
 
         said = read_status(run_dir)
-        write_status(run_dir, said.pop("status", "stopped"), **{k: v for k, v in said.items() if k != "time"},
+        status = said.pop("status", "stopped")
+        write_status(run_dir, "stopped" if script else status, **{k: v for k, v in said.items() if k != "time"},
                      pruned={"after_eval_at_step": step})
 
     def _report(self, study, fixed: list[str], sweep_dir: Path, optuna) -> None:
