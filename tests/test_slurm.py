@@ -558,3 +558,25 @@ def test_an_elastic_job_starts_on_the_nodes_free_and_resumes_on_more_after_its_r
     for name, expected in a["model"].items():
         scale = expected.abs().max().item()
         torch.testing.assert_close(b["model"][name], expected, rtol=1e-6, atol=1e-6 * scale)
+
+
+def test_a_study_submitted_as_a_job_runs_its_trials_as_jobs_of_their_own(cluster, tmp_path):
+    """The study's sweeper itself submitted to SLURM (one CPU; the submitting shell returns at once and may end):
+    it submits each trial as a job of its own (launcher.wait=true), waits for it, and ends with the best trial."""
+    import shlex
+
+    sweep_dir = tmp_path / "sweep"
+    one_node = [o for o in JOB if o not in ("trainer.nodes=2",)] + ["trainer.nodes=1"]
+    study = [sys.executable, "-m", "launcher", *one_node, "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
+             "hydra.sweeper.seed=0", "optim.lr=tag(log, interval(0.01, 0.5))", "launcher.wait=true",
+             f"hydra.sweep.dir={sweep_dir}"]
+    job_id = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=1", "--cpus-per-task=1", f"--chdir={tmp_path}",
+                             f"--output={tmp_path / 'study.out'}", "--wrap", shlex.join(study)],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    wait_until_ended([job_id], tmp_path, timeout=300)
+    out = (tmp_path / "study.out").read_text()
+    assert "best trial" in out and "rerun it: python -m launcher" in out, out[-3000:]
+    points = [p.parent for p in sweep_dir.glob("*/status.json")]
+    assert len(points) == 2 and all(json.loads((p / "status.json").read_text())["status"] == "finished" for p in points)
+    trial_jobs = [j for p in points for j in recorded_jobs(p)]
+    assert len(trial_jobs) == 2 and job_id not in trial_jobs  # each trial a job of its own, besides the study's

@@ -141,13 +141,15 @@ def check_cluster(cfg: Config, address: str, problems: list[str]) -> None:
         return
     need = bundle(cfg)
     fit = [n for n in nodes if all(n.resources_total.get(k, 0) >= v for k, v in need.items())]
-    if len(fit) < cfg.trainer.nodes:
+    fewest = cfg.trainer.min_nodes or cfg.trainer.nodes  # elastic: it starts on min_nodes, takes more as they come
+    if len(fit) < fewest:
         largest = max((n.resources_total.get("GPU" if "GPU" in need else "CPU", 0) for n in nodes), default=0)
         what = "GPUs" if "GPU" in need else "CPUs"
+        key = "trainer.min_nodes" if cfg.trainer.min_nodes else "trainer.nodes"
         problems.append(
-            f"trainer.nodes={cfg.trainer.nodes} with {need} per node (trainer.gpus, trainer.procs_per_node, "
+            f"{key}={fewest} with {need} per node (trainer.gpus, trainer.procs_per_node, "
             f"launcher.cpus_per_task), but the Ray cluster at {address} has {len(fit)} node(s) that can hold that, of "
-            f"{len(nodes)} alive (the most {what} on one node: {largest:g}): use trainer.nodes={len(fit)} or fewer, fewer "
+            f"{len(nodes)} alive (the most {what} on one node: {largest:g}): use {key}={len(fit)} or fewer, fewer "
             f"processes per node, or a larger cluster. The job would otherwise wait for resources forever.")
 
 

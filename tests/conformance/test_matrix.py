@@ -22,6 +22,11 @@ which must never run in place of ours; it is launched as docs/your-code.md says 
                 lost    a node's processes gone (Ray: the test cluster's kill-worker; nodes: n2's, then the same
                         command on n2 again): every node restarts from the checkpoint (replica groups: the lost
                         node's group heals), the uninterrupted run's weights
+                elastic trainer.min_nodes=1 of 2: a node lost, the other trains on alone with the global batch of
+                        two, the node back joins at a step boundary; the fixed run's weights
+                elastic_frozen  the same with the node frozen whole (SIGSTOP) instead of gone
+                joined  trainer.min_nodes=1 of 2, started on one node; the second node's launcher started for the
+                        first time mid-run joins; the fixed run's weights
 
 CI runs the cells of `CI_CELLS`; `MATRIX=all python -m pytest -n0 tests/conformance` runs the whole matrix (with the
 test clusters started: slurm/test-cluster.sh and ray-cluster/test-cluster.sh) and prints its table at the end.
@@ -73,7 +78,7 @@ MODES = {
     "fsdp": ["trainer.strategy=fsdp"],
     "replicas": ["trainer.fault_tolerance=replicas", "trainer.replica_groups=2"],
 }
-CONDITIONS = ("stop", "kill", "freeze", "fail", "lost", "elastic", "elastic_frozen")
+CONDITIONS = ("stop", "kill", "freeze", "fail", "lost", "elastic", "elastic_frozen", "joined")
 
 NOT_APPLICABLE = {
     ("local", "lost"): "one node: losing it is losing the run (its processes gone is the kill cell); two nodes by "
@@ -86,18 +91,21 @@ NOT_APPLICABLE = {
                           "resumes larger after its requeue: tests/test_slurm.py",
     ("replicas", "elastic"): "replica groups train on without a lost group: trainer.min_nodes is refused with them",
 }
+NOT_APPLICABLE[("slurm", "joined")] = ("a job's nodes are set when SLURM starts it: an elastic job takes more at its "
+                                       "next start (tests/test_slurm.py), none mid-job")
 NOT_APPLICABLE[("ray", "elastic_frozen")] = ("a Ray node frozen whole is declared dead by Ray's health checks and "
                                              "its actor lost: the elastic cell's path")
-for _key, _why in list(NOT_APPLICABLE.items()):  # a node frozen whole: where a node lost is n/a, so is this
+for _key, _why in list(NOT_APPLICABLE.items()):  # a node frozen whole, one joining: where elastic is n/a, so are these
     if _key[1] == "elastic":
         NOT_APPLICABLE[(_key[0], "elastic_frozen")] = _why
+        NOT_APPLICABLE.setdefault((_key[0], "joined"), _why)
 # What CI runs: each condition and each mode at least once, each backend's cheapest cells.
 # (A local rank killed, a local rank failing, a replica group killed: tests/test_faults.py and
 # tests/test_fault_tolerance.py, with assertions of their own.)
 CI_CELLS = {
     ("local", "ddp", "stop"), ("local", "fsdp", "freeze"), ("local", "replicas", "stop"), ("local", "replicas", "freeze"),
     ("slurm", "ddp", "freeze"), ("slurm", "ddp", "fail"), ("slurm", "replicas", "fail"),
-    ("ray", "ddp", "elastic"), ("ray", "ddp", "fail"), ("ray", "replicas", "fail"), ("nodes", "ddp", "lost"),
+    ("ray", "ddp", "elastic"), ("ray", "ddp", "joined"), ("ray", "ddp", "fail"), ("ray", "replicas", "fail"), ("nodes", "ddp", "lost"),
     ("nodes", "fsdp", "elastic"),
 }
 
@@ -200,6 +208,15 @@ class Nodes(Backend):
     def available(self):
         return None if os.geteuid() == 0 and _which("unshare") else "needs root and unshare (namespaces, as CI has)"
 
+    away_runs: set = set()  # run directories whose n2 starts only when asked (the joined cell)
+
+    def away(self, run_dir):
+        self.away_runs.add(run_dir)
+
+    def join(self, launch):
+        if launch is not None:
+            self.start_node(launch, "n2")
+
     def start(self, run_dir, overrides, env):
         from test_multinode import free_port, hosts_file
 
@@ -207,7 +224,7 @@ class Nodes(Backend):
         command = [*RUN, *self.layout, f"launcher.rdzv_endpoint=n1:{free_port()}", *overrides,
                    f"hydra.run.dir={run_dir}"]
         launch = Launch(run_dir, command, extra={"hosts": hosts, "env": {**os.environ, **env}, "nodes": {}, "logs": []})
-        for name in ("n1", "n2"):
+        for name in ("n1", "n2") if run_dir not in self.away_runs else ("n1",):
             self.start_node(launch, name)
         launch.proc = launch.extra["nodes"]["n1"]
         return launch
@@ -371,6 +388,18 @@ class Ray(Backend):
 
     def lose_node(self, launch):
         subprocess.run([RAY_CLUSTER, "kill-worker"], check=True, timeout=30)  # SIGKILL
+
+    def away(self, run_dir):
+        from launcher.backends.ray import use_address
+
+        use_address(RAY_ADDRESS)
+        subprocess.run([RAY_CLUSTER, "kill-worker"], check=True, timeout=30)
+        from ray.util.state import list_nodes
+        wait_for(lambda: sum(n.state == "ALIVE" for n in list_nodes(address=RAY_ADDRESS, timeout=10)) == 1, timeout=60,
+                 what="the worker node to be declared dead", poll=0.5)
+
+    def join(self, launch):
+        self.return_node(launch)
 
     def return_node(self, launch):
         subprocess.run([RAY_CLUSTER, "start-worker"], check=True, timeout=120)
@@ -641,6 +670,27 @@ def elastic_frozen(backend: Backend, mode: str, run_dir: Path, reference) -> Non
         backend.return_node(first)
     text = grown_back(backend, first, mode, run_dir, reference, "n2 frozen, then back")
     assert "no progress for" in text and "trainer.hang_timeout_s=3" in text  # the survivor's hang watch said why
+
+
+def joined(backend: Backend, mode: str, run_dir: Path, reference) -> None:
+    """trainer.min_nodes=1 of 2, the second node away from the start (nodes: n2's launcher not started; Ray: the
+    test cluster's worker down): the run starts on one node once the rendezvous's last call has passed, with the
+    global batch of two; the second node's launcher (Ray: the worker) started for the first time mid-run joins at
+    the next step boundary, and the run ends with the fixed run's weights."""
+    overrides = [*MODES[mode], "trainer.min_nodes=1", "launcher.max_restarts=2", "launcher.rdzv_last_call_s=1",
+                 "launcher.rdzv_keep_alive_s=1"]
+    backend.away(run_dir)
+    first = None
+    try:
+        first = backend.start(run_dir, overrides, SLOWER)
+        wait_for(lambda: "global batch on 1: 32 samples per replica" in backend.output(first), timeout=180,
+                 what="one node training alone", poll=0.5)
+        act_when_training(first)
+        alone = max(logged_steps(run_dir))
+    finally:
+        backend.join(first)  # (None: the start failed; the node is given back all the same)
+    grown_back(backend, first, mode, run_dir, reference, "1 -> 2 nodes")
+    assert max(logged_steps(run_dir)) > alone  # it trained alone, then grew
 
 
 @pytest.mark.parametrize("cell", [pytest.param(c, id="-".join(c), marks=cell_marks(c)) for c in CELLS])
