@@ -177,6 +177,7 @@ SCRIPT_TRIAL = """
 import argparse
 import json
 import math
+import time
 
 import torch.distributed as dist
 
@@ -192,7 +193,7 @@ for step in range(1, 41):
         break
     if step % 4 == 0:
         ddp_loop.report(step, val_score=1 - abs(math.log10(lr) + 1) / 4 + step / 1000)
-    import time; time.sleep(0.1)
+    time.sleep(0.1)  # the step's work (a model), not a wait for anything
 dist.destroy_process_group()
 """
 
