@@ -254,13 +254,13 @@ class TrialWatch:
         from launcher.run_dir.lease import read_lease
 
         lease = read_lease(self.run_dir)
-        if lease is None or lease.backend not in BACKENDS or not isinstance(get_backend(lease.backend),
-                                                                            SubmittingBackend):
+        backend = get_backend(lease.backend) if lease is not None and lease.backend in BACKENDS else None
+        if not isinstance(backend, SubmittingBackend):
             return False
         if lease.key not in self.signalled:
             self.signalled.add(lease.key)
             try:
-                print(f"trial {self.trial.number}: {get_backend(lease.backend).cancel(lease)}", flush=True)
+                print(f"trial {self.trial.number}: {backend.cancel(lease)}", flush=True)
             except Exception as error:  # noqa: BLE001 - the scheduler refused: the trial runs to its end, unpruned
                 print(f"trial {self.trial.number}: could not stop its job ({error}); it runs to its end", flush=True)
         return True

@@ -135,41 +135,48 @@ class Driver:
             size = self.size_now()
             group = placement_group([bundle(self.cfg)] * size, strategy="STRICT_SPREAD",
                                     name=f"{os.environ.get('LAUNCHER_RAY_JOB', 'run')}")
-            ready, until = [], min(deadline, time.monotonic() + 10)
+            # elastic: counted again every 10 s (the nodes counted may go meanwhile); a fixed size waits it out
+            ready, until = [], min(deadline, time.monotonic() + 10) if self.cfg.trainer.min_nodes else deadline
             while not ready and time.monotonic() < until and not self.stop_asked:  # short waits: a SIGTERM is seen
                 ready, _ = ray.wait([group.ready()], timeout=1.0)
             if ready:
                 return group, size
-            remove_placement_group(group)  # elastic: the nodes counted may have gone meanwhile; count again
+            remove_placement_group(group)
             if time.monotonic() >= deadline or self.stop_asked:
                 raise RuntimeError(f"the Ray cluster could not hold {size} nodes of {bundle(self.cfg)} within "
                                    f"launcher.rdzv_timeout_s={self.cfg.launcher.rdzv_timeout_s}")
 
-    def join_new_nodes(self, group, runs: dict, endpoint: str, restarts: int, lease_key: str) -> None:
+    def agent(self, placed):
+        """A node's agent, holding one node's bundle where `placed` (a scheduling strategy) puts it."""
+        need = bundle(self.cfg)
+        return NodeAgent.options(num_cpus=need["CPU"], num_gpus=need.get("GPU", 0), scheduling_strategy=placed).remote()
+
+    def join_new_nodes(self, group, runs: dict, endpoint: str, restarts: int, lease_key: str) -> list:
         """Elastic, below trainer.nodes: an agent on each node that has come (or come back) and can hold a node's
         bundle. It joins the running nodes' rendezvous; their agents stop their ranks at the next step boundary
-        (a checkpoint; not counted as a restart) and every node starts again at the larger world."""
+        (a checkpoint; not counted as a restart) and every node starts again at the larger world. The new runs
+        (also added to `runs`)."""
         used = set(placement_group_table(group)["bundles_to_node_id"].values()) | set(self.joined)
+        new = []
         for node_id in self.fitting_nodes():
             if len(self.agents) >= self.cfg.trainer.nodes or node_id in used:
                 continue
-            agent = NodeAgent.options(num_cpus=bundle(self.cfg)["CPU"], num_gpus=bundle(self.cfg).get("GPU", 0),
-                                      scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+            agent = self.agent(NodeAffinitySchedulingStrategy(node_id, soft=False))
             self.agents.append(agent)
             self.joined.append(node_id)
-            runs[agent.run.remote(str(self.snapshot), endpoint, restarts, lease_key, str(self.work))] = len(runs)
+            new.append(agent.run.remote(str(self.snapshot), endpoint, restarts, lease_key, str(self.work)))
+            runs[new[-1]] = len(runs)
             print(f"attempt {restarts}: a node joins (Ray node {node_id[:8]}): {len(self.agents)} of "
                   f"trainer.nodes={self.cfg.trainer.nodes}", flush=True)
+        return new
 
     def attempt(self, restarts: int) -> tuple[int, str]:
         """Run every node's agent once: (exit code, what happened)."""
         group, size = self.reserve()
         self.joined = []
         try:
-            self.agents = [NodeAgent.options(
-                num_cpus=bundle(self.cfg)["CPU"], num_gpus=bundle(self.cfg).get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-            ).remote() for i in range(size)]
+            self.agents = [self.agent(PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i))
+                           for i in range(size)]
             host, port = ray.get(self.agents[0].address.remote())
             endpoint = f"{host}:{port}"
             of = f" of trainer.nodes={self.cfg.trainer.nodes} (elastic)" if size != self.cfg.trainer.nodes else ""
@@ -184,9 +191,7 @@ class Driver:
                 if self.cfg.trainer.min_nodes and len(self.agents) < self.cfg.trainer.nodes and \
                         time.monotonic() - looked > JOIN_LOOK_S and not self.stop_asked:
                     looked = time.monotonic()
-                    before = set(runs)
-                    self.join_new_nodes(group, runs, endpoint, restarts, lease_key)
-                    pending += [ref for ref in runs if ref not in before]
+                    pending += self.join_new_nodes(group, runs, endpoint, restarts, lease_key)
                 done, pending = ray.wait(pending, num_returns=1, timeout=1.0)  # short waits: a SIGTERM is seen
                 if not done:
                     continue
