@@ -41,6 +41,23 @@ def test_two_replica_groups_train_as_ddp_does_while_both_take_part(tmp_path, lau
     assert all(r["participants"] == 2 for r in read_metrics(tmp_path / "run") if r["kind"] == "train")
 
 
+def test_a_group_busy_longer_than_the_exchange_timeout_is_waited_for_in_the_quorum(tmp_path, launch):
+    """Group 1 is alive but busy (a save, an evaluation, a restart's start) for 5 s before the quorum of its 5th
+    step, longer than trainer.timeout_s=2: group 0 waits in its quorum as the Lighthouse does (it waits up to
+    STRAGGLER_WAIT_S for a group that heartbeats). Before, the Manager gave up after trainer.timeout_s
+    ("Timeout expired") while the Lighthouse was still forming that quorum: the conformance matrix's
+    local-replicas-freeze saw it when its restarted group asked while the other was evaluating."""
+    run_dir = tmp_path / "run"
+    proc = launch(*GROUPS, "trainer.timeout_s=2", f"hydra.run.dir={run_dir}",
+                  env={"PYTHONPATH": str(FAULTS_DIR), "QUORUM_DELAY_MS": "5000", "QUORUM_DELAY_GROUP": "1",
+                       "QUORUM_DELAY_AT": "5"})
+    assert "[fault] group 1 busy before its quorum" in proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Timeout expired" not in proc.stderr
+    records = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    assert records[-1]["step"] == 24 and all(r["participants"] == 2 for r in records)  # both took part in every step
+
+
 # Ctrl-C to the terminal's process group: the conformance matrix's cell local-replicas-stop (tests/conformance).
 
 

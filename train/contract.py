@@ -15,6 +15,10 @@ LEASE_KEY_ENV = "TRAIN_LEASE_KEY"  # the key of the run directory's lease this l
 REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"  # trainer.fault_tolerance=replicas: this rank's group (torchft's name)
 START_STORE_ENV = "REPLICA_GROUPS_STORE"  # where the replica groups meet at their start (train/fault_tolerance.py)
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's Lighthouse, for its Manager (torchft's own name)
+# The Lighthouse (launcher/backends/lighthouse.py) waits this long for a group that heartbeats but has not asked for
+# the step's quorum yet (saving, evaluating, restarting), then forms the quorum without it; a group's Manager waits
+# for its quorum that long plus trainer.timeout_s (train/fault_tolerance.py).
+STRAGGLER_WAIT_S = 10
 # program=script: read by ddp_loop.py (and by a script itself)
 RUN_DIR_ENV = "LAUNCHER_RUN_DIR"  # the run directory the launcher holds
 DEVICE_ENV = "LAUNCHER_DEVICE"  # cuda (meaning cuda:LOCAL_RANK) or cpu

@@ -25,7 +25,7 @@ import time
 from datetime import timedelta
 
 import torch
-from train.contract import REPLICA_GROUP_ENV, START_STORE_ENV  # noqa: F401  (the launcher-rank contract)
+from train.contract import REPLICA_GROUP_ENV, START_STORE_ENV, STRAGGLER_WAIT_S  # noqa: F401  (the launcher-rank contract)
 
 
 log = logging.getLogger("train")
@@ -87,7 +87,10 @@ class ReplicaGroups:
             use_async_quorum=False,  # a returning group heals before its step's forward, not during it
             init_sync=False,  # every group builds the same initial weights (seeded) or resumes the same checkpoint
             timeout=timedelta(seconds=timeout_s),
-            quorum_timeout=timedelta(seconds=timeout_s),
+            # A quorum waits for the groups that are alive but busy elsewhere (a save, an evaluation, a restarted
+            # group's start): the Lighthouse forms it without them after STRAGGLER_WAIT_S. A wait shorter than that
+            # failed a restarted group whose quorum the Lighthouse was still forming.
+            quorum_timeout=timedelta(seconds=timeout_s + STRAGGLER_WAIT_S),
         )
         self._load, self._healed, self._joined = load_state_dict, False, False
         self._fewest: int | None = None  # the fewest groups in a step since the last log

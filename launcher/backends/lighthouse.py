@@ -23,7 +23,7 @@ from datetime import timedelta
 from launcher.backends.network import hold_free_port, hosts_rendezvous
 from launcher.schema import Config
 from train.host import die_with
-from train.contract import LIGHTHOUSE_ENV  # noqa: F401  (the launcher-rank contract)
+from train.contract import LIGHTHOUSE_ENV, STRAGGLER_WAIT_S  # noqa: F401  (the launcher-rank contract)
 
 LISTEN_TIMEOUT_S = 30
 
@@ -108,7 +108,7 @@ SERVE = """import importlib.machinery as machinery, importlib.util as util, sys,
 ext = machinery.FileFinder(sys.argv[1], (machinery.ExtensionFileLoader, machinery.EXTENSION_SUFFIXES)).find_spec("torchft._torchft")
 torchft = util.module_from_spec(ext)
 ext.loader.exec_module(torchft)
-server = torchft.LighthouseServer(sys.argv[2], int(sys.argv[3]), join_timeout_ms=10000, quorum_tick_ms=50,
+server = torchft.LighthouseServer(sys.argv[2], int(sys.argv[3]), join_timeout_ms=int(sys.argv[4]), quorum_tick_ms=50,
                                   heartbeat_timeout_ms=2000)
 while True:
     time.sleep(3600)
@@ -118,7 +118,7 @@ while True:
 def start_lighthouse(cfg: Config, bind: str, advertise: str = "127.0.0.1") -> tuple[subprocess.Popen, str]:
     """torchft's Lighthouse on a free port of `bind`, listening when this returns, reached at `advertise`; it dies
     with this process. A group that stops heartbeating for 2 s is left out of the next quorum; stragglers are waited
-    for 10 s at most while enough groups are there."""
+    for STRAGGLER_WAIT_S at most while enough groups are there."""
     found = importlib.util.find_spec("torchft")  # where it is, without importing it
     if found is None or not found.submodule_search_locations:
         raise RuntimeError(f"torchft is not installed on {socket.gethostname()}: install torchft==0.2.0 (the project's "
@@ -127,7 +127,7 @@ def start_lighthouse(cfg: Config, bind: str, advertise: str = "127.0.0.1") -> tu
         port = held.getsockname()[1]
         lighthouse = subprocess.Popen(
             [sys.executable, "-P", "-c", SERVE, found.submodule_search_locations[0], f"{bind}:{port}",
-             str(cfg.trainer.min_replicas)],
+             str(cfg.trainer.min_replicas), str(STRAGGLER_WAIT_S * 1000)],
             env={"RUST_LOG": "warn", **os.environ}, stdout=subprocess.DEVNULL, preexec_fn=serve_until_ended)
         deadline = time.monotonic() + LISTEN_TIMEOUT_S
         while not _listens(port):

@@ -259,6 +259,26 @@ def act() -> None:
 
         train.fault_tolerance.ReplicaGroups.join_step = join_step
 
+    if os.environ.get("QUORUM_DELAY_MS") and os.environ.get("RANK") is not None \
+            and os.environ.get("REPLICA_GROUP_ID", "0") == os.environ.get("QUORUM_DELAY_GROUP", "1"):
+        # This group is busy elsewhere (alive, heartbeating) for QUORUM_DELAY_MS before it asks for the quorum of
+        # its QUORUM_DELAY_AT-th step: the other groups wait for it in theirs.
+        import threading
+
+        import train.fault_tolerance
+
+        _join_late, _late_at, _late_joins = train.fault_tolerance.ReplicaGroups.join_step, \
+            int(os.environ.get("QUORUM_DELAY_AT", "5")), [0]
+
+        def late_join_step(self):
+            _late_joins[0] += 1
+            if _late_joins[0] == _late_at:
+                os.write(2, f"[fault] group {os.environ.get('REPLICA_GROUP_ID')} busy before its quorum\n".encode())
+                threading.Event().wait(int(os.environ["QUORUM_DELAY_MS"]) / 1000)
+            return _join_late(self)
+
+        train.fault_tolerance.ReplicaGroups.join_step = late_join_step
+
     _group = os.environ.get("REPLICA_GROUP_ID", "0")
     _end_delay = int(os.environ.get("END_DELAY_MS", "0")) / 1000 if _group == os.environ.get("END_DELAY_GROUP", "0") else 0
     _end_kill = os.environ.get("FAULT") == "kill_at_end" and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "0") \
