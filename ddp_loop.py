@@ -129,11 +129,15 @@ def _follow(folder: Path) -> None:
 def _stop_following() -> None:
     import subprocess
 
-    _follower.stdin.close()  # its last look at the file, then the trackers close
-    try:
-        _follower.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        _follower.kill()
+    # The trackers' last records and their close (W&B's upload at finish may take minutes) are this rank's last
+    # save: the hang watch, still on while the exit handlers run, ends no rank meanwhile (it ended a finished run,
+    # exit 70, when a tracker closed slower than trainer.hang_timeout_s).
+    with saving():
+        _follower.stdin.close()  # its last look at the file, then the trackers close
+        try:
+            _follower.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            _follower.kill()
 
 
 HANG_ENV = "LAUNCHER_HANG_TIMEOUT_S"  # trainer.hang_timeout_s, set by the launcher; 0 or unset: no watch

@@ -205,6 +205,56 @@ def test_a_rank_saving_for_longer_than_the_hang_limit_is_never_ended(tmp_path):
     assert not (run_dir / "hang").exists() and "hang:" not in proc.stderr
 
 
+# A tracker of the user's own whose close takes 6 s, twice trainer.hang_timeout_s (a W&B run's upload at its finish).
+SLOW_TRACKER = """
+import time
+from pathlib import Path
+
+
+class SlowClose:
+    holds_through = -1
+
+    def __init__(self, run):
+        self.out = Path(run.run_dir) / "slow_tracker.txt"
+        self.steps = []
+
+    def scalars(self, values, step):
+        self.steps.append(step)
+
+    def text(self, tag, text, step):
+        pass
+
+    def close(self):
+        time.sleep(6)  # the upload at the tracker's finish
+        self.out.write_text(" ".join(map(str, self.steps)))
+"""
+
+REPORTS = """
+import torch.distributed as dist
+
+import ddp_loop
+
+dist.init_process_group("gloo")
+for step in (1, 2, 3):
+    dist.barrier()
+    ddp_loop.report(step, loss=1.0 / step)
+dist.destroy_process_group()
+"""
+
+
+def test_a_tracker_slower_to_close_than_the_hang_limit_ends_no_finished_run(tmp_path):
+    """Rank 0's exit waits for the trackers to draw the last records and close; the hang watch, still on while the
+    exit handlers run, took that wait for a hang and ended the finished run (exit 70, failed), the tracker's close
+    cut short. The wait is now a save window (ddp_loop.saving)."""
+    here = project(tmp_path)
+    (here / "slow_tracker.py").write_text(SLOW_TRACKER)
+    proc, run_dir = run_two_ranks(here, "reports", REPORTS, "+loggers.slow._target_=slow_tracker.SlowClose")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "hang:" not in proc.stderr and not (run_dir / "hang").exists()
+    assert (run_dir / "slow_tracker.txt").read_text() == "1 2 3"  # closed, with every report drawn
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+
+
 # Rank 0 is frozen (SIGSTOP) at step 3 of a script that reports: rank 1 waits for it in a collective.
 FREEZES = """
 import os
