@@ -28,6 +28,9 @@ class LauncherConfig:
     rdzv_last_call_s: int = 30  # elastic (trainer.min_nodes): once the fewest nodes are there, how long a round waits for more (torch's last_call_timeout)
     monitor_interval_s: float = 0.1  # how often the agent checks on its workers (torchrun's default)
     shutdown_timeout_s: int = 60  # on SIGTERM/Ctrl-C, how long workers get to save before they are killed
+    # every rank's stdout and stderr are kept in RUN_DIR/logs/<run>/attempt_<N>/<local rank>/; the console shows these
+    # local ranks' (each line prefixed [rankR]:), empty: every rank's (torchrun's --tee and --local-ranks-filter)
+    console_ranks: list[int] = field(default_factory=list)
     numa_binding: str = "none"  # GPU ranks bound to their GPU's NUMA node(s) (torchrun's --numa-binding): none | node | socket | exclusive | core-complex
     dry_run: bool = False  # validate, write RUN_DIR/config.yaml, print the summary and the memory forecast at the target world size; start nothing
     gpu_memory_gb: float = 0.0  # the dry run's forecast is checked against this much memory per GPU; 0: this machine's GPU

@@ -27,7 +27,7 @@ def launch_at(run_dir, *overrides, env=None, ok=True):
 
 def streams(stderr: str, rank: int) -> list[str]:
     """The checkpoint streams rank `rank` opened, in order (printed by the fault hook)."""
-    return re.findall(rf"^\[io rank {rank}\] (.+)$", stderr, flags=re.M)
+    return re.findall(rf"^(?:\[rank\d+\]:)?\[io rank {rank}\] (.+)$", stderr, flags=re.M)  # [rankR]: the console's
 
 
 @pytest.mark.alone

@@ -86,9 +86,9 @@ def test_a_killed_group_restarts_heals_from_the_live_one_and_both_end_identical(
     # back at the live step, 9 or later, so nothing it had done was redone.
     assert 9 <= healed_at
     assert "Unable to reset NCCL flight recorder" not in proc.stderr  # torchft's noise at each heal: gloo here
-    for group in (0, 1):  # each on a line of its own (two groups' lines once ran together)
-        assert f"replica group {group}: weights identical to the other groups' at step 64 (2 taking part)" \
-            in proc.stdout.splitlines()
+    for group in (0, 1):  # each on a line of its own (two groups' lines once ran together), prefixed with its rank
+        assert f"[group{group} rank0]:replica group {group}: weights identical to the other groups' at step 64 " \
+               f"(2 taking part)" in proc.stdout.splitlines()
 
 
 def test_fsdp_groups_of_two_processes_heal_shard_by_shard_and_end_identical(tmp_path, launch):

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 
 from conftest import FAST, FAULTS_DIR, fault_env, final_checkpoint, logged_steps, wait_for
 from user_project import write_project
@@ -154,3 +155,64 @@ def zombie(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_every_ranks_output_is_kept_and_the_console_shows_the_ranks_asked_for(tmp_path):
+    """Every rank's stdout and stderr go to RUN_DIR/logs/.../attempt_N/<local rank>/ (torchrun's --log-dir, --redirects,
+    --tee); the console shows the ranks asked for, each line prefixed with its rank. Before, nothing was kept but a
+    failed rank's error file, and every rank wrote straight to the console."""
+    run_dir = tmp_path / "run"
+    pid, code, err = launch_traced(tmp_path, *RUN, "trainer.max_steps=4", "launcher.console_ranks=[0]",
+                                   f"hydra.run.dir={run_dir}", env=traced())
+    assert code == 0, err[-2000:]
+    [attempt] = run_dir.glob("logs/*/attempt_0")
+    for rank in (0, 1):
+        assert f"[start rank {rank} attempt 0]" in (attempt / str(rank) / "stderr.log").read_text()
+    assert "[rank0]:[start rank 0 attempt 0]" in err and "[start rank 1" not in err  # rank 1: its file only
+    shown = subprocess.run([sys.executable, "-m", "launcher.jobs", "logs", str(run_dir), "--task", "1", "--err"],
+                           capture_output=True, text=True)
+    assert shown.returncode == 0 and "[start rank 1 attempt 0]" in shown.stdout, shown  # python -m launcher.jobs logs
+
+
+WAITS_FOR_THE_READER = """
+import os
+import time
+
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+print(f"rank {dist.get_rank()} is ready", flush=True)
+while not os.path.exists(os.environ["READ_MARKER"]):  # until the test has read the line above from the pipe
+    time.sleep(0.05)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_ranks_line_reaches_a_piped_console_while_the_run_runs(tmp_path):
+    """The ranks' lines reach the console through the agent's tail threads, which write to the launcher's stdout:
+    a pipe or a job's log file is block-buffered there, and a line waited in it (8 kB) until the launcher ended.
+    The script waits, before ending, for the test to have read its line from the pipe."""
+    (tmp_path / "waits.py").write_text(WAITS_FOR_THE_READER)
+    marker = tmp_path / "read"
+    gave_up = threading.Timer(120, marker.touch)  # a line that never comes until the end: the run still ends
+    with subprocess.Popen([sys.executable, "-m", "launcher", "program=script", "program.script=waits.py",
+                           "trainer.procs_per_node=2", "~loggers.tensorboard", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, text=True, env={**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+                                                        "READ_MARKER": str(marker)},
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
+        gave_up.start()
+        try:
+            for line in proc.stdout:  # the launcher's own lines first, then the ranks'
+                if "rank 0 is ready" in line:
+                    assert not marker.exists(), "rank 0's line came only once the run was let end"
+                    marker.touch()
+                    assert line.startswith("[rank0]:"), line
+                    break
+            else:
+                raise AssertionError("the launcher ended without rank 0's line")
+            proc.communicate(timeout=120)
+        finally:
+            gave_up.cancel()
+            marker.touch()  # a failed check still lets the run end
+    assert proc.returncode == 0

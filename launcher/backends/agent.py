@@ -505,7 +505,8 @@ def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_af
         agent_class = LocalElasticAgent
     timeout = {"shutdown_timeout": config.shutdown_timeout} if agent_class is Agent or AGENT_TAKES_SHUTDOWN_TIMEOUT else {}
     frozen = {"frozen_after_s": frozen_after_s, "hang_dir": hang_dir, "run_dir": run_dir} if agent_class is Agent else {}
-    agent = agent_class(spec=spec, logs_specs=config.logs_specs, **timeout, **frozen)
+    prefix = {"log_line_prefix_template": config.log_line_prefix_template} if config.log_line_prefix_template else {}
+    agent = agent_class(spec=spec, logs_specs=config.logs_specs, **timeout, **frozen, **prefix)
     close_rendezvous = True
     try:
         result = agent.run()

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from omegaconf import DictConfig
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig
@@ -85,8 +85,12 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
                       "keep_alive_interval": cfg.launcher.rdzv_keep_alive_s},
         max_restarts=cfg.launcher.max_restarts,
         monitor_interval=cfg.launcher.monitor_interval_s,
-        # Where the agent keeps each attempt's error files (a failed rank's traceback); stdout stays on the console.
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
+        # Every rank's stdout and stderr in RUN_DIR/logs/<run>/attempt_<N>/<local rank>/ (with its error file: a
+        # failed rank's traceback), and on the console (tee), of the ranks asked for: torchrun's --log-dir,
+        # --redirects 3 --tee 3 --local-ranks-filter.
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL, tee=Std.ALL,
+                                    local_ranks_filter=set(cfg.launcher.console_ranks) or None),
+        log_line_prefix_template=RANK_PREFIX,
         # The address the rendezvous publishes as MASTER_ADDR: the node's IP where the engine knows it (a Ray
         # node's; a KubeRay pod answers by IP only), else torch looks up this machine's FQDN.
         local_addr=os.environ.get(NODE_ADDR_ENV) or None,
@@ -112,6 +116,9 @@ def numa_options(binding: str):
     except ImportError:
         return None
     return NumaOptions(affinity_mode=AffinityMode(binding), should_fall_back_if_binding_fails=True)
+
+
+RANK_PREFIX = "[rank${rank}]:"  # each console line of a rank (torch's template: ${rank} is the global rank)
 
 
 def threads_per_process(cfg: Config) -> int:
@@ -154,6 +161,10 @@ def launch_local(cfg: Config, run_dir: Path, snapshot: Path, config: LaunchConfi
     """Run the workers to completion; raises ChildFailedError (with the failing rank's traceback) on failure."""
     frozen = {"frozen_after_s": cfg.trainer.hang_timeout_s + FROZEN_MARGIN_S if cfg.trainer.hang_timeout_s else 0.0,
               "hang_dir": run_dir / HANG_DIR, "run_dir": run_dir}
+    # The ranks' lines reach the console through the agent's threads that tail their log files (tee): line by line,
+    # also where the console is a file or a pipe (a job's log, `| tee`), not in blocks of 8 kB.
+    if hasattr(sys.stdout, "reconfigure"):  # (a stream put in its place, a test's, may have no buffer to set)
+        sys.stdout.reconfigure(line_buffering=True)
     with environment(rank_environment(cfg, run_dir)):
         if cfg.program.name == "script":  # the user's own loop, from the launch directory, as torchrun runs it
             # As torchrun: the ranks' MASTER_ADDR:MASTER_PORT is the agent's store (TORCHELASTIC_USE_AGENT_STORE),
@@ -382,6 +393,10 @@ class Local(Backend):
                 f"node (run the same command on every node), e.g. launcher.rdzv_endpoint=node0:29400."
             )
         _check_endpoint(cfg, problems)
+        procs = procs_per_node(cfg.trainer)
+        if any(not 0 <= r < procs for r in cfg.launcher.console_ranks):
+            problems.append(f"launcher.console_ranks={list(cfg.launcher.console_ranks)}: local ranks run from 0 to "
+                            f"{procs - 1} on each node here; give some of them (e.g. [0]), or [] for every rank.")
         if cfg.launcher.numa_binding not in NUMA_BINDINGS:
             problems.append(f"launcher.numa_binding={cfg.launcher.numa_binding!r} is not one of "
                             f"{', '.join(NUMA_BINDINGS)} (torchrun's --numa-binding): node binds each GPU rank to its "

@@ -44,7 +44,8 @@ def group_main(snapshot: str, group: int) -> int:
     nproc = procs_per_node(cfg.trainer) // per_node
     # A group is one node's processes (or a share of them): its own one-node rendezvous, whatever the run's nodes.
     config = dataclasses.replace(config, min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-                                 run_id=f"{config.run_id}-group{group}", rdzv_endpoint="localhost:0")
+                                 run_id=f"{config.run_id}-group{group}", rdzv_endpoint="localhost:0",
+                                 log_line_prefix_template=f"[group{group} rank${{rank}}]:")  # rank 0 of each group
     if cfg.trainer.gpus:  # this group's GPUs of the node
         os.environ["CUDA_VISIBLE_DEVICES"] = group_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), group % per_node, nproc)
     started = time.monotonic()

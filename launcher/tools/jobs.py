@@ -74,8 +74,22 @@ def logs(run_dir: Path, task: int, lines: int, err: bool) -> int:
         if text is not None:
             print("\n".join(text.splitlines()[-lines:]))
             return 0
-    print(f"error: {run_dir} has no submitted jobs (SLURM, Ray): a local run logs to its console", file=sys.stderr)
+    kept = rank_log(run_dir, task, err)
+    if kept is not None:
+        print(f"{kept}:")
+        print("\n".join(kept.read_text(errors="replace").splitlines()[-lines:]))
+        return 0
+    print(f"error: {run_dir} has no submitted jobs (SLURM, Ray) and no log of local rank {task} in {run_dir / 'logs'}",
+          file=sys.stderr)
     return 2
+
+
+def rank_log(run_dir: Path, local_rank: int, err: bool) -> Path | None:
+    """The newest log of `local_rank` that torch's agent kept for a run started here or by rendezvous (its layout:
+    RUN_DIR/logs/<run>_<id>/attempt_<N>/<local rank>/stdout.log|stderr.log; a node's or a replica group's run each
+    its own <run>)."""
+    found = list(run_dir.glob(f"logs/*/attempt_*/{local_rank}/{'stderr' if err else 'stdout'}.log"))
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
 def cancel(run_dir: Path) -> int:

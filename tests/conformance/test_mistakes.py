@@ -196,6 +196,8 @@ MISTAKES = [
      ["hydra.run.dir=~/runs/x: '~' is not expanded here", "a directory named '~' would be made"]),
     ("config-dir-with-its-own-primary-config", ["--config-dir", "conf_own"],
      ["--config-dir conf_own: its config.yaml would not be read", "conf_own/experiment/NAME.yaml"]),
+    ("console-rank-beyond-the-node", ["launcher.console_ranks=[2]", "trainer.procs_per_node=2"],
+     ["launcher.console_ranks=[2]: local ranks run from 0 to 1 on each node here"]),
     ("unknown-numa-binding", ["launcher.numa_binding=nearest"],
      ["launcher.numa_binding='nearest' is not one of none, node, socket, exclusive, core-complex"]),
     ("empty-sweep", ["-m", "data.batch_size=range(8,8)", "hydra.sweep.dir=multirun/empty"],
