@@ -224,6 +224,22 @@ def test_a_model_with_batch_norm_says_at_start_that_splitting_the_batch_changes_
     assert batch_statistics_note(mlp(channels=1, image_size=8, num_classes=10, hidden=[8]), 4, 2, True) is None
 
 
+def test_a_mixture_of_experts_with_a_router_loss_says_at_start_that_splitting_the_batch_changes_it():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from train.build import router_loss_note
+
+    config = MixtralConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, intermediate_size=32, num_local_experts=2, num_experts_per_tok=1,
+                           output_router_logits=True, router_aux_loss_coef=0.02)
+    note = router_loss_note(MixtralForCausalLM(config), replicas=1, accumulate=2, elastic=False)
+    assert note and "router_aux_loss_coef=0.02" in note and "1 replica(s) x 2 micro-batch(es)" in note
+    assert "output_router_logits=false" in note  # the way to keep the identity
+    assert router_loss_note(MixtralForCausalLM(config), replicas=1, accumulate=1, elastic=False) is None
+    config.output_router_logits = False
+    assert router_loss_note(MixtralForCausalLM(config), replicas=4, accumulate=2, elastic=True) is None
+
+
 def tiny_segformer():
     from transformers import SegformerConfig, SegformerForSemanticSegmentation
 

@@ -36,7 +36,10 @@ ROWS = {row.name: row for row in zoo.ROWS}
 # Rows whose construction the recording cannot replay, and the reason it gives (the run then builds the whole model
 # on every rank and says so): a parameter computed from others by a parametrization or a scalar tensor.
 META_FALLBACK = {"roberta_masked_lm": "lm_head.bias", "wav2vec2_ctc": "parametrizations.weight.original0",
-                 "clip_contrastive": "logit_scale"}
+                 "clip_contrastive": "logit_scale",
+                 # BatchNorm's step counter (torch.tensor(0) in its __init__, zeroed again by the model's init)
+                 "resnet_batchnorm_classifier": "resnet.embedder.embedder.normalization.num_batches_tracked",
+                 "segformer_segmentation": "decode_head.batch_norm.num_batches_tracked"}
 
 
 def batch_of(row, indices) -> dict:
@@ -147,6 +150,23 @@ def test_two_processes_reach_the_weights_of_one_with_the_global_batch(name, tmp_
     assert relative_gap(one, two) < 1e-5
 
 
+def test_models_whose_split_batch_differs_say_so_and_a_segmenter_scores_its_pixels(tmp_path):
+    """Issue 61, F6/F7/D12 launched: SegFormer on two ranks with its accuracy (class-first logits at a quarter of
+    the labels' size, label 255 ignored as its config says) ends with a finite evaluation; it and a Mixtral with a
+    router loss each say at start why 2 x B is not 1 x 2B for them (BatchNorm's per-micro-batch statistics; the
+    router's per-micro-batch balancing loss)."""
+    segmenter = zoo_run(tmp_path / "segformer", "segformer_segmentation", "+task.accuracy=true", "trainer.eval_every=3")
+    assert segmenter.returncode == 0, segmenter.stderr[-3000:]
+    assert "task.ignore_index=255: SegformerForSemanticSegmentation's own loss ignores label 255" in segmenter.stderr
+    assert "SegformerForSemanticSegmentation has 1 BatchNorm layer(s) (decode_head.batch_norm, ...)" in segmenter.stderr
+    evals = [r for r in read_metrics(tmp_path / "segformer") if r["kind"] == "eval"]
+    assert evals and all(0.0 <= r["acc"] <= 1.0 for r in evals), evals
+    moe = zoo_run(tmp_path / "mixtral", "mixtral_moe_lm", steps=1)
+    assert moe.returncode == 0, moe.stderr[-3000:]
+    assert "MixtralForCausalLM's router loss (router_aux_loss_coef=0.02) is each micro-batch's on each rank (2 " \
+           "replica(s) x 1 micro-batch(es) here)" in moe.stderr
+
+
 def test_a_model_with_a_scalar_parameter_is_refused_under_fsdp_before_start(tmp_path):
     """CLIP's logit_scale is 0-dim, which torch's fully_shard refuses: every rank failed at start."""
     proc = zoo_run(tmp_path / "run", "clip_contrastive", "trainer.strategy=fsdp")
@@ -176,7 +196,9 @@ def test_every_row_launched_fsdp_equals_ddp_and_two_processes_equal_one(name, tm
     if os.environ.get("ZOO_TABLE"):  # the table for a note (pytest-xdist keeps a test's prints)
         with open(os.environ["ZOO_TABLE"], "a") as table:
             table.write(line + "\n")
-    if ROWS[name].not_split_invariant:
+    if ROWS[name].not_split_invariant or ROWS[name].batch_norm:
+        if ROWS[name].batch_norm:  # said at start, with the way out
+            assert "2 x B differs from 1 x 2B" in zoo_run(tmp_path / "said", name, world=2, batch=8, steps=1).stderr
         if "fsdp 2x8" in weights:
             assert relative_gap(weights["ddp 2x8"], weights["fsdp 2x8"]) < 1e-5
     else:

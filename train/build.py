@@ -74,6 +74,23 @@ def batch_statistics_note(model: nn.Module, replicas: int, accumulate: int, elas
             f"torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) in the model's build computes them over every rank.")
 
 
+def router_loss_note(model: nn.Module, replicas: int, accumulate: int, elastic: bool) -> str | None:
+    """The line a mixture of experts with a load-balancing (auxiliary) router loss gets where its global batch is
+    split: the model computes that loss over each micro-batch's tokens as a whole (a product of two means over them,
+    Hugging Face's `router_aux_loss_coef`), so splitting the batch changes it."""
+    config = getattr(model, "config", None)
+    coefficient = getattr(config, "router_aux_loss_coef", 0) or 0
+    if not (getattr(config, "output_router_logits", False) and coefficient > 0):
+        return None
+    if replicas == 1 and accumulate == 1 and not elastic:
+        return None
+    return (f"{type(model).__name__}'s router loss (router_aux_loss_coef={coefficient:g}) is each micro-batch's on each "
+            f"rank ({replicas} replica(s) x {accumulate} micro-batch(es) here), not the global batch's, so this run is "
+            f"not the one-process run of the same global batch to 1e-5 (2 x B differs from 1 x 2B); the language "
+            f"loss itself is weighed exactly. With output_router_logits=false in the model's config the identity "
+            f"holds (and the router trains without its balancing term).")
+
+
 def checkpoint_blocks(model: nn.Module) -> None:
     """trainer.activation_checkpointing: each block (train.models.vision.blocks) keeps only its input for the backward
     and recomputes its activations there (torch.utils.checkpoint, non-reentrant: the same random numbers, so the

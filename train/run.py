@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from train import dist as distributed
-from train.build import batch_statistics_note, add_import_path, build_task_and_model, share_compile_workers
+from train.build import (add_import_path, batch_statistics_note, build_task_and_model, router_loss_note,
+                         share_compile_workers)
 from train.checkpoint import CheckpointManager, checkpoint_dir
 from train.checkpoint.run_state import resume
 from train.checkpoint.state import Progress, seed_rank
@@ -116,9 +117,10 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     plan = make_plan(cfg, where.world_size, size_of(data.train, cfg))
     with watchdog.phase("building the model"):
         task, model, recipes = build_task_and_model(cfg)
-    note = batch_statistics_note(model, plan.replicas, plan.accumulate, bool(plan.reference_world))
-    if note and env.is_main:
-        log.warning(note)
+    for note in (batch_statistics_note(model, plan.replicas, plan.accumulate, bool(plan.reference_world)),
+                 router_loss_note(model, plan.replicas, plan.accumulate, bool(plan.reference_world))):
+        if note and env.is_main:  # what splitting the global batch changes for this model
+            log.warning(note)
     flops = flops_per_token(model)
     fmt = memory_format(cfg.trainer, model, device)
     with watchdog.phase("placing and sharding the model"):

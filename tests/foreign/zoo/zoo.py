@@ -93,6 +93,15 @@ def image(index: int) -> dict:
     return {"pixel_values": images[index % len(images)], "labels": int(labels[index % len(labels)])}
 
 
+def segmentation(index: int) -> dict:
+    """A digit's image and a class per pixel (its brightness in three bands), its top rows labelled 255: the label
+    SegFormer's own loss ignores (config.semantic_loss_ignore_index)."""
+    pixels = image(index)["pixel_values"]
+    labels = torch.bucketize(pixels[0], torch.tensor([0.3, 0.6]))
+    labels[: 2 + index % 3] = 255
+    return {"pixel_values": pixels, "labels": labels}
+
+
 def speech(index: int) -> dict:
     """A waveform from 8 characters of text (40 samples per character: one frame of the feature encoder below),
     every clip the same length (padding a waveform changes its last frames), and 2 to 5 of its characters as CTC
@@ -113,8 +122,8 @@ def features(index: int) -> dict:
     return {"x": x, "labels": int(x[:3].sum() > 0)}
 
 
-SAMPLES = {f.__name__: f for f in (sequence_class, token_class, masked, causal, seq2seq, image, speech,
-                                     image_text, features)}
+SAMPLES = {f.__name__: f for f in (sequence_class, token_class, masked, causal, seq2seq, image, segmentation,
+                                     speech, image_text, features)}
 
 
 class Samples(torch.utils.data.Dataset):
@@ -214,6 +223,15 @@ BUILDERS = {
                                    depths=[1, 1], num_heads=[2, 2], window_size=2, drop_path_rate=0.0),
     "convnext_classifier": lambda: _hf("ConvNextConfig", "ConvNextForImageClassification", **VISION, patch_size=2,
                                        num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], drop_path_rate=0.0),
+    "resnet_batchnorm_classifier": lambda: _hf("ResNetConfig", "ResNetForImageClassification", num_channels=3,
+                                               embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                               layer_type="basic", num_labels=10),
+    "segformer_segmentation": lambda: _hf("SegformerConfig", "SegformerForSemanticSegmentation", num_labels=3,
+                                          num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+                                          num_attention_heads=[1, 1], decoder_hidden_size=16, patch_sizes=[7, 3],
+                                          strides=[4, 2], mlp_ratios=[2, 2], hidden_dropout_prob=0.0,
+                                          attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0,
+                                          drop_path_rate=0.0),
     "wav2vec2_ctc": lambda: _hf("Wav2Vec2Config", "Wav2Vec2ForCTC", vocab_size=32, hidden_size=32, num_hidden_layers=2,
                                 num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 8),
                                 conv_kernel=(10, 8), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
@@ -249,6 +267,8 @@ class Row:
     # why a global batch split in two cannot give the same loss, where it cannot (None: it must, to 1e-5)
     not_split_invariant: str | None = None
     token_labels: bool = False  # per-token labels with -100: the accuracy must ignore them
+    batch_norm: bool = False  # BatchNorm layers: 2 x B is not 1 x 2B in training (said at start, not to 1e-5)
+    pixel_labels: bool = False  # a class per pixel, 255 ignored (the model's own index), class-first logits
     tags: list[str] = field(default_factory=list)
 
 
@@ -264,6 +284,12 @@ ROWS = [
     Row("vit_classifier", "image", False),
     Row("swin_classifier", "image", False),
     Row("convnext_classifier", "image", False),
+    # BatchNorm: in training, each micro-batch is normalized by its own statistics (said at start where the global
+    # batch is split); the loss is still a mean over items, weighed as the model weighs it
+    Row("resnet_batchnorm_classifier", "image", False, batch_norm=True),
+    # its own loss ignores label 255, and its logits are class-first at a quarter of the labels' size; BatchNorm in
+    # its decode head
+    Row("segformer_segmentation", "segmentation", False, batch_norm=True, pixel_labels=True),
     Row("wav2vec2_ctc", "speech", False),
     Row("clip_contrastive", "image_text", False, not_split_invariant="a contrastive loss scores each pair against the "
         "rest of its micro-batch: another split is another loss, by definition"),
