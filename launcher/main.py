@@ -20,7 +20,7 @@ from omegaconf.errors import InterpolationResolutionError
 from launcher.backends.base import BACKENDS, Backend, get_backend
 from launcher.backends.script import args_as_typed, script_command, script_summary
 from launcher.checks.forecast import dry_run_forecast
-from launcher.checks.validate import ConfigError, typed_config, validate
+from launcher.checks.validate import ConfigError, script_values_outside_vars, typed_config, validate
 from launcher.run_dir.directory import remove_if_made
 from launcher.run_dir.lease import RunDirBusy
 from launcher.schema import CONF_DIR
@@ -134,7 +134,13 @@ def launch(cfg: DictConfig, run_dir: Path) -> int:
 
 def prepare_and_start(cfg: DictConfig, run_dir: Path, backend: Backend) -> int:
     write_hydra_record(run_dir)
-    typed_args = args_as_typed(list(HydraConfig.get().overrides.task)) if HydraConfig.initialized() else None
+    # As written: a list node's elements resolve when read (`${T}` in an override became its value), and a sweep's
+    # points have them escaped (`$\{T\}`): both reach args_as_typed as the user wrote them
+    overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False) if HydraConfig.initialized() else []
+    outside = script_values_outside_vars(overrides)
+    if outside:
+        raise Refused(outside)
+    typed_args = args_as_typed(overrides) if overrides else None
     if typed_args is not None:  # a script's arguments as the user typed them, not as Hydra typed them
         cfg.program.args = typed_args
     try:

@@ -61,6 +61,9 @@ class ProgramConfig:
     # program=script: its command-line arguments, each word as typed on the command line (launcher/backends/script.py
     # args_as_typed); Any, not str: Hydra types `null`, `true` before the launcher reads the words as written
     args: list[Any] = field(default_factory=list)
+    # program=script: values of the script's own that its args take by interpolation, so that a sweep forms a grid
+    # over them: -m +program.vars.T=2,4 'program.args=[--t,${program.vars.T}]'
+    vars: dict[str, Any] = field(default_factory=dict)
     # program=script, when no rank printed, reported or saved for trainer.hang_timeout_s: auto: the ranks are ended
     # (restarted or failed) where the script uses ddp_loop's API, else only reported | report | end (ddp_loop._Watch)
     on_hang: str = "auto"

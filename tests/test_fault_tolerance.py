@@ -162,7 +162,11 @@ def test_two_nodes_a_group_each_the_killed_one_heals_from_the_first_nodes(tmp_pa
     run_dir = tmp_path / "run"
     codes, n1, n2 = two_nodes(tmp_path, [*GROUPS, "trainer.nodes=2", "trainer.procs_per_node=1", "trainer.epochs=4",
                                          "trainer.max_steps=64", "trainer.log_every=2", "launcher.max_restarts=1",
-                                         f"hydra.run.dir={run_dir}"], killed(group=1, step=10))
+                                         f"hydra.run.dir={run_dir}"],
+                                 # group 0 holds its quorum of step 40 until group 1 is back (tests/faults: a restart
+                                 # under load took longer than group 0's remaining steps, and nothing healed)
+                                 {**killed(group=1, step=10), "HEAL_MARKER": str(tmp_path / "group-1-back"),
+                                  "HEAL_BEFORE_STEP": "40"})
     assert codes == [0, 0]
     steps = train_steps(run_dir)  # logged by group 0, on n1
     assert steps == sorted(set(steps)) and steps[-1] == 64

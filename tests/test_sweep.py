@@ -46,6 +46,37 @@ def test_a_2x2_sweep_runs_four_jobs_and_summarizes_them(launch, tmp_path):
     assert read_summary(sweep_dir) == rows
 
 
+GRID_SCRIPT = """
+import argparse
+import os
+from pathlib import Path
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--t", type=int)
+parser.add_argument("--a", type=float)
+args = parser.parse_args()
+if int(os.environ["RANK"]) == 0:
+    Path(os.environ["LAUNCHER_RUN_DIR"], "args.txt").write_text(f"{args.t} {args.a}")
+"""
+
+
+def test_a_grid_over_a_scripts_own_arguments_gives_each_point_its_values(tmp_path):
+    """Issue 61, F10: `+T=2,4 'program.args=[--t,${T}]'` was refused (T is no key) and a sweep point's arguments
+    reached the script as Hydra escaped them (`$\\{...\\}`). The script's own values go under program.vars; each
+    point's script gets its own, and the summary says why a script that reports nothing has no figures."""
+    (tmp_path / "grid.py").write_text(GRID_SCRIPT)
+    sweep_dir = tmp_path / "sweep"
+    proc = run_cli("launcher", "-m", "program=script", "program.script=grid.py", "trainer.procs_per_node=1",
+                   "~loggers.tensorboard", "+program.vars.T=2,4", "+program.vars.A=0.5,0.9",
+                   "program.args=[--t,${program.vars.T},--a,${program.vars.A}]", f"hydra.sweep.dir={sweep_dir}",
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = sorted((p / "args.txt").read_text() for p in sweep_dir.iterdir() if (p / "args.txt").exists())
+    assert got == ["2 0.5", "2 0.9", "4 0.5", "4 0.9"]
+    rows = read_summary(sweep_dir)
+    assert len(rows) == 4 and all(r["reported"].startswith("none (the script calls no ddp_loop.report") for r in rows.values())
+
+
 def test_a_failing_point_is_reported_and_the_others_complete(launch, tmp_path):
     sweep_dir = tmp_path / "sweep"
     proc = launch("-m", *POINT, "data.batch_size=0,16", f"hydra.sweep.dir={sweep_dir}")

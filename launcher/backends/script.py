@@ -49,11 +49,20 @@ def args_as_typed(overrides: list[str]) -> list[str] | None:
     return None
 
 
+HYDRA_ESCAPED = "\\()[]{}:=, \t"  # what Hydra's grammar escapes with a backslash in an unquoted value
+
+
 def _split_list(text: str) -> list[str]:
-    """The elements of a flat list literal's inside, split at commas outside quotes and ${...}."""
-    words, word, quote, depth = [], "", None, 0
+    """The elements of a flat list literal's inside, split at commas outside quotes and ${...}. A backslash outside
+    quotes keeps the next character as it is: Hydra writes a sweep's overrides for each point escaped
+    (`[--t,$\\{program.vars.T\\}]`), and the script got the escapes instead of the point's value."""
+    words, word, quote, depth, escaped = [], "", None, 0, False
     for char in text:
-        if quote:
+        if escaped:  # Hydra escapes only its grammar's characters: a backslash before another one is the user's
+            word, escaped = word + (char if char in HYDRA_ESCAPED else "\\" + char), False
+        elif char == "\\" and not quote:
+            escaped = True
+        elif quote:
             if char == quote:
                 quote = None
             else:

@@ -6,6 +6,7 @@ fixes a bad command in one round instead of watching N ranks crash (or hang) one
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -58,9 +59,24 @@ def typed_config(cfg: DictConfig) -> Config:
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg, resolve=True)))
     except ConfigKeyError as error:
-        raise ConfigError([f"{error.full_key} is not a config key{closest_key(str(error.full_key))}; the keys and "
+        key = str(error.full_key)
+        raise ConfigError([f"{key} is not a config key{closest_key(key)}; the keys and "
                            f"their meaning are in train/config.py and launcher/schema.py, or print the whole config "
                            f"with: python -m launcher --cfg job"]) from error
+
+
+def script_values_outside_vars(overrides: list[str]) -> str | None:
+    """A key of no schema that program.args takes by interpolation (`+T=2,4 'program.args=[--t,${T}]'`): said with
+    where such a value goes. Read from the command line's overrides (the config may be resolved by then)."""
+    args = " ".join(o for o in overrides if o.lstrip("+~").startswith("program.args="))
+    known = {f.name for f in dataclasses.fields(Config)}
+    for override in overrides:
+        key = override.lstrip("+~").partition("=")[0]
+        if "." not in key and key not in known and ("${" + key in args or "$\\{" + key in args):
+            return (f"{key} is not a config key: a value of your script's own that program.args takes goes under "
+                    f"program.vars, e.g. +program.vars.{key}=... 'program.args=[...,${{program.vars.{key}}}]' (a sweep "
+                    f"over it: -m +program.vars.{key}=2,4)")
+    return None
 
 
 def closest_key(full_key: str) -> str:

@@ -67,8 +67,10 @@ def last_report(run_dir: Path, trains: list[dict]) -> str | None:
         program = OmegaConf.load(run_dir / "config.yaml").get("program", {}).get("name")
     except (OSError, ValueError):
         return None
-    if program != "script" or not trains:
+    if program != "script":
         return None
+    if not trains:  # the trainer's columns stay empty for a script: say why once, here
+        return "none (the script calls no ddp_loop.report: its figures are its own output)"
     last = trains[-1]
     return " ".join(f"{k} {v:.4g}" for k, v in last.items() if k not in REPORT_SKIPS and isinstance(v, int | float)) \
         + f" (step {last.get('step')})"

@@ -182,6 +182,10 @@ MISTAKES = [
      ["program.module", "nomodule"]),
     ("script-args-as-one-word", ["program=script", "program.script=shapes.py", "program.args=--epochs 3"],
      ["program.args='--epochs 3' is not a list: give one in brackets", "'program.args=[--epochs,3]'"]),
+    ("script-value-outside-program-vars", ["program=script", "program.script=shapes.py", "+T=2",
+                                           "program.args=[--t,${T}]"],
+     ["T is not a config key: a value of your script's own that program.args takes goes under program.vars",
+      "-m +program.vars.T=2,4"]),
     # --- the backends ------------------------------------------------------------------------------------------
     ("endpoint-without-a-port", ["trainer.nodes=2", "launcher.rdzv_endpoint=node0"], ["launcher.rdzv_endpoint"]),
     ("endpoint-that-does-not-resolve", ["trainer.nodes=2", "launcher.rdzv_endpoint=no-such-host.invalid:29400"],
