@@ -103,6 +103,32 @@ def test_a_scripts_first_report_at_step_0_is_drawn(tmp_path, monkeypatch):
     assert [step for step, _ in tracker.sent] == [0, 1, 2]
 
 
+def tensorboard_steps(run_dir) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    return [event.step for event in events.Scalars("train/loss")]
+
+
+def test_tensorboard_holds_what_it_flushed_and_is_given_the_rest_after_a_kill(tmp_path):
+    """Issue 61, F10: a script's follower ended by a SLURM requeue before drawing its last reports left TensorBoard
+    without them for good (steps 29-33 missing while metrics.jsonl had them): the tracker claimed to hold every step
+    up to the one resumed from. It now holds what it flushed (RUN_DIR/trackers/), and the resumed attempt's catch-up
+    draws the rest from metrics.jsonl. And a fresh run holds nothing: a script's step 0 is drawn."""
+    from train.observe.trackers import TensorBoard, TrackedRun
+
+    lines = [{"kind": "train", "step": s, "time": 0, "loss": 1.0 / (s + 1)} for s in range(0, 34)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    first = Metrics(tmp_path, start_step=-1, trackers=[TensorBoard(TrackedRun(tmp_path, "run", 0, {}))], cut_back=False)
+    for record in lines[:29]:  # drawn as a follower draws them (steps 0-28); 29-33 reported, then the requeue's kill
+        first.draw("train", record["step"], {"loss": record["loss"]})
+    # (no close: the process was killed)
+    again = Metrics(tmp_path, start_step=33, trackers=[TensorBoard(TrackedRun(tmp_path, "run", 33, {}))], cut_back=False)
+    again.close()
+    assert tensorboard_steps(tmp_path) == list(range(0, 34))  # each once, 0 included
+
+
 class FakeStore:
     """The calls of a c10d store that train/observe/peers.py makes, in memory; `answers=False`: it hangs up."""
 

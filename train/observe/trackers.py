@@ -74,10 +74,18 @@ class TensorBoard:
     def __init__(self, run: TrackedRun, directory: str = "tb", hparam_metrics: list[str] | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        # purge_step: events the interrupted attempt wrote after the checkpoint are dropped when the resumed one
-        # writes its first, as metrics.jsonl is truncated.
-        self.writer = SummaryWriter(str(run.run_dir / directory), purge_step=run.start_step + 1)
-        self.holds_through = run.start_step
+        # What its event files hold: the steps before the last one flushed (RUN_DIR/trackers/tensorboard.json,
+        # written after each flush), at most the step resumed from; a fresh run holds nothing (a script's report of
+        # step 0 is drawn). A record the interrupted attempt never flushed (its process killed, a script's follower
+        # ended by a requeue before it drew the last reports) is drawn again from metrics.jsonl (Metrics' catch-up);
+        # without the file (a run from before it) the step resumed from, as before.
+        self.run, self.name = run, f"tensorboard-{directory}"
+        held = run.load_state(self.name).get("held_through")
+        self.holds_through = min(run.start_step, held) if held is not None else run.start_step if run.resumed else -1
+        # purge_step: events after what it holds (the interrupted attempt's past its checkpoint, or its unflushed
+        # tail) are dropped when this attempt writes its first, as metrics.jsonl is truncated.
+        self.writer = SummaryWriter(str(run.run_dir / directory), purge_step=self.holds_through + 1)
+        self.saved = self.last = self.holds_through
         if not run.resumed:
             self._write_hparams(scalar_hparams(run.hparams), hparam_metrics or ["eval/loss", "eval/acc"])
 
@@ -91,9 +99,16 @@ class TensorBoard:
     def scalars(self, values: dict[str, float], step: int) -> None:
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
+        self.writer.flush()  # a few records per log interval: on disk before they count as held
+        self.last = max(self.last, step)
+        if step - 1 > self.saved:  # every step before this one is whole (this one's evaluation may follow)
+            self.saved = step - 1
+            self.run.save_state(self.name, {"held_through": self.saved})
 
     def text(self, tag: str, text: str, step: int) -> None:
         self.writer.add_text(tag, f"<pre>{text}</pre>", step)  # preformatted: tables keep their columns
 
     def close(self) -> None:
         self.writer.close()
+        if self.last > self.saved:  # closed whole: it holds every step it was given
+            self.run.save_state(self.name, {"held_through": self.last})
