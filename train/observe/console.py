@@ -46,7 +46,9 @@ def _format(values: dict[str, float]) -> str:
         median, slowest = values.get(f"{name}_s"), values.get(f"{name}_max_s")
         if median is not None and slowest is not None and slowest > STRAGGLER_RATIO * median + 1e-3:
             rank = values[f"{name}_slowest_rank"]
-            parts.append(f"slowest {name[:-5]}: rank {rank:.0f} {slowest * 1000:.1f} ms")
+            # with the median beside it: a figure to compare (ranks sharing a CPU's cores differ by this much),
+            # not an alarm on its own
+            parts.append(f"slowest {name[:-5]}: rank {rank:.0f} {slowest * 1000:.1f} ms (median {median * 1000:.1f} ms)")
     return "  ".join(parts)
 
 
