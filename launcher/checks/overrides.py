@@ -112,6 +112,13 @@ def explain_unparsed(error: OverrideParseException) -> str:
     key, _, value = override.partition("=")
     # characters of the shell's and Hydra's own, and any beyond ASCII (an accented path): quoted, Hydra takes them
     odd = [c for c in NEEDS_QUOTES if c in value] + sorted({c for c in value if ord(c) > 127})
+    if key and odd and value.startswith("[") and value.endswith("]"):  # a list: the items that need them quoted
+        items = [f'"{item}"' if any(c in item for c in odd) and item[:1] not in "'\"" else item
+                 for item in value[1:-1].split(",")]
+        shown = ", ".join(repr(c) for c in odd)
+        return (f"{key}: its value {value!r} holds {shown}, which Hydra's override grammar reads only inside quotes of "
+                f"its own: quote each such item of the list, '{key}=[{','.join(items)}]' (the outer quotes for the "
+                f"shell, the inner for Hydra).")
     if key and odd:
         shown = ", ".join(repr(c) for c in odd)
         return (f"{key}: its value {value!r} holds {shown}, which Hydra's override grammar reads only inside quotes of "
