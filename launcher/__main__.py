@@ -1,8 +1,21 @@
 """`python -m launcher [overrides]`, or the `ddp-launch` command; see launcher/main.py."""
 
 import gc
+import signal
 
 gc.disable()  # during the imports (torch's millions of objects), as in train/__main__.py; enabled again in cli()
+
+
+def _stopped_while_starting(signum, frame) -> None:
+    import os
+
+    os.write(2, b"stopped by SIGINT while the launcher started: nothing was started; run the same command again.\n")
+    os._exit(128 + signal.SIGINT)
+
+
+# Ctrl-C during the imports (torch's take a second or more): one line, not a KeyboardInterrupt traceback through
+# importlib. cli() gives SIGINT back to Python once they are done.
+signal.signal(signal.SIGINT, _stopped_while_starting)
 
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -22,11 +35,15 @@ def cli() -> None:
     # it (the user's targets, imported by validation later, are collected as before).
     gc.freeze()
     gc.enable()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         compose_and_launch()
         code = 0
     except SystemExit as end:
         code = end.code
+    except KeyboardInterrupt:  # before any worker started (torch's agent takes the signal over from there)
+        print("stopped by SIGINT before any worker started; run the same command again to start.", file=sys.stderr)
+        code = 128 + signal.SIGINT
     if isinstance(code, str):  # sys.exit("message"), as the interpreter would end it
         print(code, file=sys.stderr)
     # Everything is written and closed (the run's files, its lease, the workers gone): end without the interpreter's

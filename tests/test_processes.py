@@ -216,3 +216,18 @@ def test_a_ranks_line_reaches_a_piped_console_while_the_run_runs(tmp_path):
             gave_up.cancel()
             marker.touch()  # a failed check still lets the run end
     assert proc.returncode == 0
+
+
+def test_ctrl_c_while_the_launcher_starts_says_one_line_not_a_traceback(tmp_path):
+    """Issue 61, B: Ctrl-C in the first second of a launch (torch's import) printed a KeyboardInterrupt traceback
+    through importlib. SIGINT arrives at a fixed point (tests/faults: SIGINT_AT_IMPORT): while torch is imported, and
+    while Hydra looks for its plugins (after the imports, before any worker)."""
+    said = {}
+    for module in ("torch", "hydra_plugins"):
+        proc = subprocess.run([sys.executable, "-m", "launcher", "launcher.dry_run=true"], cwd=tmp_path, text=True,
+                              capture_output=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(FAULTS_DIR), "SIGINT_AT_IMPORT": module})
+        assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        said[module] = proc.stderr.strip()
+    assert said["torch"] == "stopped by SIGINT while the launcher started: nothing was started; run the same command again."
+    assert said["hydra_plugins"] == "stopped by SIGINT before any worker started; run the same command again to start."

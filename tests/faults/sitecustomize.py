@@ -342,3 +342,17 @@ else:  # the launcher, or a process that forks a rank after setting its variable
     os.register_at_fork(after_in_child=act_in_rank)
     if os.environ.get("STEP_DELAY_MS") and os.environ.get("SLURM_STEP_ID") is not None:
         delay_steps()  # a SLURM task: a rank that sets RANK itself, after its start (the other faults need RANK)
+
+if os.environ.get("SIGINT_AT_IMPORT") and os.environ.get("RANK") is None:
+    # The launcher gets Ctrl-C (SIGINT) while it imports this module (torch, by default): a user's Ctrl-C in the
+    # first second of a launch, at a point that does not depend on timing.
+    class _InterruptAtImport:
+        def find_spec(self, name, path=None, target=None):
+            if name == os.environ["SIGINT_AT_IMPORT"]:
+                sys.meta_path.remove(self)
+                import signal
+
+                os.kill(os.getpid(), signal.SIGINT)
+            return None
+
+    sys.meta_path.insert(0, _InterruptAtImport())
