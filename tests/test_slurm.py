@@ -400,16 +400,17 @@ def test_a_task_whose_interpreter_would_abort_at_exit_still_ends_with_its_result
     assert (tmp_path / "7_0_result.pkl").exists()
 
 
-def submit_script(here: Path, script: str, args: str, name: str, *overrides: str) -> tuple[str, Path]:
-    """program=script as a two-node SLURM job from `here` (tests/foreign/own_loop's `script` copied there): its job id
-    and run directory."""
+def submit_script(here: Path, script: str, args: str, name: str, *overrides: str,
+                  code: int = 0) -> tuple[str, Path, subprocess.CompletedProcess]:
+    """program=script as a two-node SLURM job from `here` (tests/foreign/own_loop's `script` copied there): its job id,
+    run directory and the launch (its exit code `code`)."""
     shutil.copy(Path(__file__).parent / "foreign" / "own_loop" / script, here / script)
     run_dir = here / "runs" / name
     proc = subprocess.run([sys.executable, "-m", "launcher", "launcher=slurm", "trainer.nodes=2", "trainer.procs_per_node=1",
                            "program=script", f"program.script={script}", f"program.args={args}",
-                           *overrides, f"hydra.run.dir={run_dir}"], cwd=here, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return submitted_job_id(proc.stdout), run_dir
+                           *overrides, f"hydra.run.dir={run_dir}"], cwd=here, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    return submitted_job_id(proc.stdout), run_dir, proc
 
 
 def test_an_unchanged_torchrun_script_runs_as_a_two_node_job(cluster, tmp_path):
@@ -418,7 +419,7 @@ def test_an_unchanged_torchrun_script_runs_as_a_two_node_job(cluster, tmp_path):
     here = tmp_path
     for name in ("train.py", "models.py"):
         (here / name).write_text("raise SystemExit('the project\\'s own module was run')\n")
-    job_id, run_dir = submit_script(here, "my_loop.py", "[--epochs,2,--out,mine.pt]", "mine")
+    job_id, run_dir, _ = submit_script(here, "my_loop.py", "[--epochs,2,--out,mine.pt]", "mine")
     wait_until_ended([job_id], run_dir)
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
     assert set(torch.load(here / "mine.pt", weights_only=True)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
@@ -430,7 +431,7 @@ def test_a_script_using_torchft_runs_as_replica_groups_one_per_node_and_a_killed
     """program=script with trainer.fault_tolerance=replicas under SLURM: each node's task runs its replica group under
     its own agent (as the trainer's groups run), not the script as a plain rank of one world, where torchft's Manager
     found no Lighthouse and the job hung. Group 1's rank dies at step 5: its group alone restarts and heals."""
-    job_id, run_dir = submit_script(tmp_path, "ft_loop.py", "[--die-at,5]", "ft", "trainer.fault_tolerance=replicas",
+    job_id, run_dir, _ = submit_script(tmp_path, "ft_loop.py", "[--die-at,5]", "ft", "trainer.fault_tolerance=replicas",
                                     "trainer.replica_groups=2", "launcher.max_restarts=1")
     wait_until_ended([job_id], run_dir, timeout=180)
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
@@ -444,7 +445,7 @@ def test_a_script_using_torchft_runs_as_replica_groups_one_per_node_and_a_killed
 def test_a_script_using_the_api_saves_at_the_warning_signal_and_the_requeued_job_resumes_it(cluster, tmp_path):
     """program=script with ddp_loop: SLURM's warning before the time limit reaches every task; the script agrees the
     stop, saves its checkpoint and exits 0; the job requeues itself, and the requeued script resumes from it."""
-    job_id, run_dir = submit_script(tmp_path, "api_loop.py", "[--steps,300,--step-delay-ms,30]", "api")
+    job_id, run_dir, _ = submit_script(tmp_path, "api_loop.py", "[--steps,300,--step-delay-ms,30]", "api")
     wait_for(lambda: any(step >= 5 for step in logged_steps(run_dir)), 180, "the script's steps")
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # what SLURM sends before a time limit
     wait_for(lambda: "Restarts=1" in _show(job_id), timeout=120, what="the job to requeue itself")
@@ -459,7 +460,11 @@ def test_a_script_using_the_api_saves_at_the_warning_signal_and_the_requeued_job
 
 
 def test_a_crashing_script_fails_its_job_with_its_own_traceback(cluster, tmp_path):
-    job_id, run_dir = submit_script(tmp_path, "my_loop.py", "[--crash-at-epoch,1]", "crash")
+    # launcher.wait=true: the launch waits for the job and says why the run did not finish (before: only "ended")
+    job_id, run_dir, proc = submit_script(tmp_path, "my_loop.py", "[--crash-at-epoch,1]", "crash", "launcher.wait=true",
+                                          code=1)
+    assert "the run is failed" in proc.stdout
+    assert "error: rank 1 failed: ValueError: my loop broke at epoch 1 on rank 1" in proc.stderr, proc.stderr[-2000:]
     wait_until_ended([job_id], run_dir, want="FAILED")
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed"

@@ -82,6 +82,20 @@ class SubmittingBackend(Backend):
                 print(taken_over, file=sys.stderr)
             yield
 
+    def why_not_finished(self, run_dir: Path, status: dict, lines: int = 15) -> str:
+        """What a waiting launch (launcher.wait=true) says when the job ended without finishing the run: the run's
+        own error (status.json), else the last lines of the job's log (a job that failed before any rank wrote one:
+        the environment of its nodes, a config its code cannot read)."""
+        if status.get("error"):
+            return f"error: {status['error']}"
+        try:
+            text = self.logs(run_dir, 0, err=True) or ""
+        except LogsUnavailable as error:
+            return f"error: {error}"
+        tail = [line for line in text.splitlines() if line.strip()][-lines:]
+        return (f"the job's last lines (python -m launcher.jobs logs {run_dir} for more):\n" + "\n".join(tail)
+                if tail else f"the job left no log: python -m launcher.jobs status {run_dir}")
+
 
 def get_backend(name: str) -> Backend:
     """The backend called `name` (launcher.name); KeyError if there is none."""

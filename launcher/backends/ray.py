@@ -296,6 +296,9 @@ def wait_for_job(job_id: str, address: str, run_dir: Path, poll_s: float = 2.0) 
         else:
             unanswered_since = None
         time.sleep(poll_s)
-    status = read_status(run_dir).get("status", "unknown")
+    said = read_status(run_dir)
+    status = said.get("status", "unknown")
     print(f"Ray job {job_id} ended: {state}; the run is {status}")
+    if status != "finished":
+        print(Ray().why_not_finished(run_dir, said), file=sys.stderr)
     return 0 if status == "finished" else 1

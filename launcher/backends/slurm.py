@@ -334,6 +334,9 @@ def wait_for_job(job_id: str, run_dir: Path, poll_s: float = 2.0) -> int:
         time.sleep(poll_s)
     while job_state(job_id)["state"] in ACTIVE:  # released at its clean end: the job is about to end
         time.sleep(poll_s)
-    status = read_status(run_dir).get("status", "unknown")
+    said = read_status(run_dir)
+    status = said.get("status", "unknown")
     print(f"job {job_id} ended: {job_state(job_id)['state']}; the run is {status}")
+    if status != "finished":
+        print(Slurm().why_not_finished(run_dir, said), file=sys.stderr)
     return 0 if status == "finished" else 1
