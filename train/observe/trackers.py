@@ -74,7 +74,7 @@ class TensorBoard:
     def __init__(self, run: TrackedRun, directory: str = "tb", hparam_metrics: list[str] | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        # What its event files hold: the steps before the last one flushed (RUN_DIR/trackers/tensorboard.json,
+        # What its event files hold: the steps before the last one flushed (RUN_DIR/trackers/tensorboard-tb.json,
         # written after each flush), at most the step resumed from; a fresh run holds nothing (a script's report of
         # step 0 is drawn). A record the interrupted attempt never flushed (its process killed, a script's follower
         # ended by a requeue before it drew the last reports) is drawn again from metrics.jsonl (Metrics' catch-up);
