@@ -18,7 +18,7 @@ import torch
 
 from conftest import FAST, FAULTS_DIR, cluster_started, final_checkpoint, logged_steps, read_metrics, shared_lock
 from conftest import wait_for as _wait_for
-from launcher.backends.slurm import job_state
+from launcher.backends.slurm import Slurm, job_state
 from launcher.backends.slurm import recorded_jobs
 from launcher.backends.slurm_job import clear_unfinished_result, export_env_from_slurm, slurm_folder
 
@@ -269,6 +269,19 @@ def test_more_nodes_than_the_cluster_has_is_refused(cluster, launch, tmp_path):
     proc = launch(*JOB, "trainer.nodes=3", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2
     assert "trainer.nodes=3, but partition 'debug' has 2 node(s)" in proc.stderr
+
+
+def test_gpus_a_partition_does_not_have_are_refused_naming_the_key(cluster, launch, tmp_path):
+    """Issue 61, B: trainer.gpus=1 on a cluster without GPUs was sbatch's "Invalid generic resource (gres)
+    specification" after submission; the partition's GPUs (sinfo %G) are asked before."""
+    proc = launch(*JOB, "trainer.gpus=1", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "trainer.gpus=1, but partition 'debug' has no GPUs in SLURM's records" in proc.stderr
+    assert "use trainer.gpus=0 to train on its CPUs" in proc.stderr and not (tmp_path / "run" / "slurm").exists()
+    refused = []
+    Slurm._check_gpus(8, "gpu", ["gpu:a100:4(S:0-1),shard:2", "gpu:a100:4"], refused)  # a GPU cluster's records
+    assert refused == ["trainer.gpus=8, but the nodes of partition 'gpu' have at most 4 GPU(s) each: use "
+                       "trainer.gpus=4 or fewer (more nodes for more GPUs: trainer.nodes), or another launcher.partition."]
 
 
 def test_launcher_slurm_without_slurm_installed_is_refused(launch, tmp_path):

@@ -14,6 +14,7 @@ ROUND_ENV = "TRAIN_RENDEZVOUS_ROUND"  # the rendezvous round the nodes met in: n
 LEASE_KEY_ENV = "TRAIN_LEASE_KEY"  # the key of the run directory's lease this launch holds (train/writer.py)
 REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"  # trainer.fault_tolerance=replicas: this rank's group (torchft's name)
 START_STORE_ENV = "REPLICA_GROUPS_STORE"  # where the replica groups meet at their start (train/fault_tolerance.py)
+START_TIMEOUT_ENV = "REPLICA_GROUPS_START_TIMEOUT_S"  # how long they wait there for each other (launcher.rdzv_timeout_s)
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's Lighthouse, for its Manager (torchft's own name)
 # The Lighthouse (launcher/backends/lighthouse.py) waits this long for a group that heartbeats but has not asked for
 # the step's quorum yet (saving, evaluating, restarting), then forms the quorum without it; a group's Manager waits

@@ -25,7 +25,8 @@ import time
 from datetime import timedelta
 
 import torch
-from train.contract import REPLICA_GROUP_ENV, START_STORE_ENV, STRAGGLER_WAIT_S  # noqa: F401  (the launcher-rank contract)
+from train.contract import (  # noqa: F401  (the launcher-rank contract)
+    REPLICA_GROUP_ENV, START_STORE_ENV, START_TIMEOUT_ENV, STRAGGLER_WAIT_S)
 
 
 log = logging.getLogger("train")
@@ -96,7 +97,9 @@ class ReplicaGroups:
         self._fewest: int | None = None  # the fewest groups in a step since the last log
         # Every group joins before the first quorum: a group still starting would be left out of it, and the first
         # one to start would train alone and heal the others (or finish before they start).
-        meet_every_group(trainer.replica_groups * world_size, timeout_s)
+        # Bounded as the nodes' rendezvous is (a group's start: imports, the data, the model), not by the exchange
+        # timeout: with trainer.timeout_s=2, a group slow to start under load failed the other at this meeting.
+        meet_every_group(trainer.replica_groups * world_size, float(os.environ.get(START_TIMEOUT_ENV) or timeout_s))
 
     def _heal(self, state) -> None:
         self._load(state)
@@ -201,7 +204,7 @@ def meet_every_group(ranks: int, timeout_s: float) -> None:
     while (started := store.add("started", 0)) < ranks:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{started} of the {ranks} ranks of the replica groups started within "
-                               f"{timeout_s:.0f} s (trainer.timeout_s): a group failed to start; see its output.")
+                               f"{timeout_s:.0f} s (launcher.rdzv_timeout_s): a group failed to start; see its output.")
         time.sleep(0.05)
 
 

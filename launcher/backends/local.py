@@ -56,7 +56,7 @@ from launcher.schema import Config
 from train.checkpoint import checkpoint_dir, committed
 from train.contract import HANG_DIR
 from train.dist import available_cores
-from train.fault_tolerance import REPLICA_GROUP_ENV, START_STORE_ENV
+from train.fault_tolerance import REPLICA_GROUP_ENV, START_STORE_ENV, START_TIMEOUT_ENV
 from train.finite import NONFINITE_EXIT_CODE
 from train.host import PARENT_ENV
 from train.observe.status import ALIVE_FILE, read_status, status_held, stopped_since, write_status
@@ -337,7 +337,8 @@ def launch_replica_groups(cfg: Config, snapshot: Path, first: bool | None = None
                 # PARENT_ENV: the group's agent dies with this process (an inherited value names this one's parent:
                 # under Ray, the node's actor; the agent then took itself for orphaned and ended at once, silently)
                 env = {"RUST_LOG": "warn", **os.environ, REPLICA_GROUP_ENV: str(group), PARENT_ENV: str(os.getpid()),
-                       LIGHTHOUSE_ENV: meeting.lighthouse, START_STORE_ENV: meeting.store}
+                       LIGHTHOUSE_ENV: meeting.lighthouse, START_STORE_ENV: meeting.store,
+                       START_TIMEOUT_ENV: str(cfg.launcher.rdzv_timeout_s)}
                 # Its own session: a terminal's Ctrl-C (to the foreground process group) reaches this launcher only,
                 # which passes it on once; twice, the agent would take the second for "stop at once" and kill the
                 # ranks mid-save.

@@ -256,6 +256,8 @@ class Slurm(SubmittingBackend):
                 problems.append(f"launcher.partition={s.partition!r} does not exist on this cluster; choose one of: "
                                 f"{', '.join(partitions)}.")
                 return
+            if partition and cfg.trainer.gpus:
+                self._check_gpus(cfg.trainer.gpus, partition, _slurm("sinfo", "-h", "-p", partition, "-o", "%G"), problems)
             nodes = sum(int(n) for n in _slurm("sinfo", "-h", "-p", partition, "-o", "%D")) if partition else 0
             fewest = cfg.trainer.min_nodes or cfg.trainer.nodes  # an elastic job starts on as few as min_nodes
             if partition and fewest > nodes:
@@ -265,6 +267,20 @@ class Slurm(SubmittingBackend):
         except (RuntimeError, subprocess.TimeoutExpired) as error:
             problems.append(f"launcher=slurm: cannot reach the SLURM controller ({error}); check SLURM_CONF and that "
                             f"slurmctld runs.")
+
+    @staticmethod
+    def _check_gpus(wanted: int, partition: str, gres: list[str], problems: list[str]) -> None:
+        """trainer.gpus against the GPUs SLURM knows on the partition's nodes (their generic resources, `sinfo %G`:
+        gpu:4, gpu:a100:8(S:0-1), (null)): sbatch's own refusal names gres, not the key to change."""
+        counts = [int(n) for line in gres for n in re.findall(r"gpu(?::[\w.-]+)?:(\d+)", line)]
+        if not counts:
+            problems.append(f"trainer.gpus={wanted}, but partition {partition!r} has no GPUs in SLURM's records (its "
+                            f"nodes' generic resources: {', '.join(sorted(set(gres))) or 'none'}): use trainer.gpus=0 "
+                            f"to train on its CPUs, or a partition with GPUs (launcher.partition=...).")
+        elif wanted > max(counts):
+            problems.append(f"trainer.gpus={wanted}, but the nodes of partition {partition!r} have at most "
+                            f"{max(counts)} GPU(s) each: use trainer.gpus={max(counts)} or fewer (more nodes for more "
+                            f"GPUs: trainer.nodes), or another launcher.partition.")
 
     def start(self, cfg: Config, run_dir: Path, snapshot: Path) -> int:
         """Submit one job and return at once (or, with launcher.wait=true, when it ends for good)."""
