@@ -225,3 +225,14 @@ def test_a_trace_summary_counts_each_operation_once_and_the_gpu_busy_once_per_in
     text = summary(trace)
     assert "1 step(s), 1.0 ms each" in text and "GPU busy 0.5 ms a step (50%" in text
     assert "aten::mm 0.40 ms; aten::linear 0.20 ms" in text
+
+
+def test_a_gpu_check_the_budget_cuts_short_is_skipped_and_says_so_not_failed(tmp_path):
+    """The lent machine's run of 2026-11-28 reported `meta init = full build` as FAIL (TimeoutExpired) when it was only
+    the 480 s budget that ended it: a check started with too little budget left is not measured, and says to rerun it."""
+    out = tmp_path / "table.json"
+    proc = run_cli("benchmarks.gpu_check", "--cpu", "--only", "ddp, 1 process", "--budget-s", "1", "--out", str(out),
+                   cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    [row] = json.loads(out.read_text())["checks"]
+    assert row["ok"] is None and "cut short at --budget-s=1" in row["result"] and "GPU_RUN_ONLY" in row["result"]
