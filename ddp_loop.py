@@ -213,7 +213,7 @@ class _Watch:
         self.folder, self.timeout_s, self.on_hang = folder, timeout_s, on_hang
         self.tick_s = min(5.0, max(0.2, timeout_s / 10))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        attempt = os.environ.get("TRAIN_RENDEZVOUS_ROUND") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = os.environ.get("TRAIN_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix, self.attempt = f"ddp_loop/hang/{attempt}", attempt
         self.beats, self.used_api, self.local_saving = 0, False, 0
         self.clients: dict[int, object] = {}  # a store client per thread (the watch's, the script's saving())

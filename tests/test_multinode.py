@@ -72,7 +72,7 @@ def test_two_nodes_share_one_run_directory_and_the_first_says_what_it_waits_for(
     with nodes([]) as procs:
         with open(logs["n1"], "w") as log:
             procs.append(node("n1", hosts, overrides, tmp_path, log))
-        wait_for(lambda: "waiting for 1 of 2 nodes at n1:" in logs["n1"].read_text(), timeout=60,
+        wait_for(lambda: "waiting for the other 1 of 2 nodes at n1:" in logs["n1"].read_text(), timeout=60,
                  what="node n1 to say it waits for n2")
         with open(logs["n2"], "w") as log:
             procs.append(node("n2", hosts, overrides, tmp_path, log))
@@ -81,7 +81,7 @@ def test_two_nodes_share_one_run_directory_and_the_first_says_what_it_waits_for(
     print(f"--- n1\n{n1}\n--- n2\n{n2}")
     assert codes == [0, 0]
     assert "is in use by another launcher" not in n1 + n2  # the second node was not refused the shared directory
-    assert f"waiting for 1 of 2 nodes at n1:{port} (" in n1 and "launcher.rdzv_timeout_s=120" in n1
+    assert f"waiting for the other 1 of 2 nodes at n1:{port} (" in n1 and "launcher.rdzv_timeout_s=120" in n1
     import json
 
     plan = json.loads((run_dir / "plan.json").read_text())
@@ -123,7 +123,7 @@ def test_a_ctrl_c_while_the_other_nodes_are_awaited_ends_the_launch_at_once(tmp_
     with open(err, "w") as stderr, subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr,
                                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as proc:
         try:
-            wait_for(lambda: "waiting for 1 of 2 nodes" in err.read_text(), timeout=120, what="node 0 to wait for node 1")
+            wait_for(lambda: "waiting for the other 1 of 2 nodes" in err.read_text(), timeout=120, what="node 0 to wait for node 1")
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=30)  # before the fix: still waiting after 30 s, and 900 s of rdzv_timeout_s to go
         finally:

@@ -10,7 +10,9 @@ this package and keeps copies of the names it reads; tests/test_structure.py hol
 # --- a rank's environment, set by the launcher (launcher/backends/) -------------------------------------------------
 PARENT_ENV = "TRAIN_DIE_WITH_PARENT"  # the launcher's pid: a rank dies with it (train/host.py die_with_parent)
 USER_PATH_ENV = "TRAIN_USER_PATH"  # the user's module folders, appended after this package's (train/build.py)
-ROUND_ENV = "TRAIN_RENDEZVOUS_ROUND"  # the rendezvous round the nodes met in: names the attempt (train/dist.py)
+ATTEMPT_ENV = "TRAIN_ATTEMPT"  # the count of rounds the nodes met in, the same on every node: names the attempt
+MEETING_STORE_ENV = "TRAIN_RENDEZVOUS_STORE"  # HOST:PORT of the nodes' rendezvous store, where rank 0 says where
+# this attempt's own store is (train/dist.py attempt_store); the launcher's agent sets both (launcher/backends/agent.py)
 LEASE_KEY_ENV = "TRAIN_LEASE_KEY"  # the key of the run directory's lease this launch holds (train/writer.py)
 REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"  # trainer.fault_tolerance=replicas: this rank's group (torchft's name)
 START_STORE_ENV = "REPLICA_GROUPS_STORE"  # where the replica groups meet at their start (train/fault_tolerance.py)

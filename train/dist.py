@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from train.contract import ROUND_ENV  # noqa: F401  (the launcher-rank contract)
+from train.contract import ATTEMPT_ENV, MEETING_STORE_ENV
 
 
 @dataclass(frozen=True)
@@ -109,10 +109,10 @@ ATTEMPT_KEY = "train/attempt"
 
 def attempt_id() -> str | None:
     """What names this attempt of this run, the same on all its ranks: the elastic agent's run id (torchrun, the
-    launcher) with its rendezvous round (the launcher's agent) or restart count (torchrun's), or SLURM's job with its
-    restart count; None where neither says."""
+    launcher) with the count of rounds its nodes met in (the launcher's agent) or its restart count (torchrun's: a
+    node back after a loss counts from 0 there), or SLURM's job with its restart count; None where neither says."""
     if os.environ.get("TORCHELASTIC_RUN_ID"):
-        attempt = os.environ.get(ROUND_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = os.environ.get(ATTEMPT_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         return f"{os.environ['TORCHELASTIC_RUN_ID']}:{attempt}"
     if os.environ.get("SLURM_JOB_ID"):
         return f"{os.environ['SLURM_JOB_ID']}:{os.environ.get('SLURM_RESTART_COUNT', '0')}"
@@ -120,12 +120,12 @@ def attempt_id() -> str | None:
 
 
 def rendezvous_store(env: DistEnv, timeout: timedelta) -> dist.Store:
-    """The store at MASTER_ADDR:MASTER_PORT, served by rank 0 (as env:// makes it), checked to be this attempt's.
+    """The store at MASTER_ADDR:MASTER_PORT, served by rank 0 (as env:// makes it), checked to be this attempt's:
+    ranks started without the launcher's agent (SLURM's tasks, which agree on the port by the job's id).
 
-    The agent picks MASTER_PORT free and releases it; rank 0 binds it seconds later. Two launches at once can be
-    given the same port: one's rank 0 then fails to bind it (an error), but its other ranks would join the other
-    run's store and take the places of that run's ranks (a hang of the other run, seen once in a parallel test run).
-    Rank 0 writes the attempt's name; a rank that finds another name there stops at once, saying so."""
+    Two jobs can come to the same port: one's rank 0 then fails to bind it (an error), but its other ranks would
+    join the other job's store and take the places of that job's ranks (a hang of the other run, seen once in a
+    parallel test run). Rank 0 writes the attempt's name; a rank that finds another name there stops at once."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = dist.TCPStore(host, port, env.world_size, is_master=env.rank == 0, timeout=timeout, multi_tenant=True)
     attempt = attempt_id()
@@ -140,10 +140,34 @@ def rendezvous_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     return store
 
 
+def attempt_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """This attempt's own store, under the launcher's agent: rank 0 serves it on a port the system gives (bound from
+    the start: no other process can take it between a choice and a bind) and says where in the nodes' rendezvous
+    store, under this attempt's name (every node's agent agreed on it after the round: launcher/backends/agent.py);
+    the other ranks read it there. A fresh store per attempt: no key of a restarted attempt's predecessors is read
+    (pytorch/pytorch#135712). MASTER_ADDR and MASTER_PORT are then its address, for whatever reads them later in
+    this rank (torchft's Manager, the hang watch's side stores)."""
+    host, port = os.environ[MEETING_STORE_ENV].rsplit(":", 1)
+    meeting = dist.PrefixStore(f"train/{attempt_id()}/", dist.TCPStore(host, int(port), is_master=False, timeout=timeout))
+    if env.rank == 0:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, env.world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, multi_tenant=True)
+        meeting.set("store", f"{os.environ['MASTER_ADDR']}:{store.port}")
+    else:
+        host, port = meeting.get("store").decode().rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        os.environ["MASTER_ADDR"] = host
+    os.environ["MASTER_PORT"] = str(store.port)
+    return store
+
+
 def init_process_group(env: DistEnv, backend: str, device: torch.device, timeout_s: int) -> None:
     timeout = timedelta(seconds=timeout_s)
     device_id = device if device.type == "cuda" else None
-    if "MASTER_ADDR" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+    if "MASTER_ADDR" in os.environ and MEETING_STORE_ENV in os.environ:  # the launcher's agent
+        dist.init_process_group(backend, store=attempt_store(env, timeout), rank=env.rank, world_size=env.world_size,
+                                timeout=timeout, device_id=device_id)
+    elif "MASTER_ADDR" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
         # Plain torchrun: the agent's own store, which the agent holds bound (no port to race for).
         dist.init_process_group(backend, init_method="env://", timeout=timeout, device_id=device_id)
     elif "MASTER_ADDR" in os.environ:

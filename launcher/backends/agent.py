@@ -10,7 +10,9 @@
   one process, a one-process run), fails the group after trainer.hang_timeout_s and a margin, as a hang would.
 
 These extend private methods of torch's LocalElasticAgent (`_monitor_workers`, `_shutdown`, `_pcontext`,
-`_remaining_restarts`), as tested with the torch version CI installs. `extensions_supported` checks that they
+`_exit_barrier`, `_remaining_restarts`: the table in docs/code.md), as tested with torch 2.11 and 2.13; what the
+rendezvous adds (the attempt every node agrees on, the waiting nodes said) uses the handler's public methods only
+(`Rendezvous`). `extensions_supported` checks that they
 are there; on a torch where they are not, the launcher says so and runs torch's own agent (restarts and stops
 still work; only the printed causes, the signal translation and the double-signal kill are lost).
 
@@ -29,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import (
     RunResult,
     WorkerSpec,
@@ -42,12 +45,10 @@ from torch.distributed.elastic.multiprocessing.errors import (
     ProcessFailure,
 )
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous import api as rendezvous_api
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
 
-from launcher.backends.network import hold_free_port
-from train.dist import ROUND_ENV
+from train.contract import ATTEMPT_ENV, MEETING_STORE_ENV
 from train.fault_tolerance import REPLICA_GROUP_ENV
 from train.finite import NONFINITE_EXIT_CODE
 from train.observe.status import stopped_since, write_status
@@ -197,34 +198,7 @@ class Agent(LocalElasticAgent):
         self.frozen_after_s, self.hang_dir = frozen_after_s, hang_dir
         self.stopped_since: dict[int, float] = {}
         self.looked_at = 0.0
-        self.restarting = False
-        self.last_state: WorkerState | None = None  # what the last look at the workers found
         self.run_dir, self.started = run_dir, time.time()
-
-    def _rendezvous(self, worker_group) -> None:
-        super()._rendezvous(worker_group)
-        # The round the nodes just met in names the workers' attempt (train/dist.py attempt_id): the same on every
-        # node, where the restart count is each node's own (a node back after a loss counts from 0). The handler's
-        # state is private: where it is not there, the workers fall back to the restart count.
-        try:
-            os.environ[ROUND_ENV] = str(worker_group.spec.rdzv_handler._state_holder.state.round)
-        except AttributeError:
-            os.environ.pop(ROUND_ENV, None)
-
-    def _stop_workers(self, worker_group, *args, **kwargs) -> None:
-        # torch stops workers here to restart them: after a failure (reported by `_monitor_workers`), or, while they
-        # train well, for another node that restarted its own (or joins). Not the stop a signal makes (`_shutdown`).
-        self.restarting = True
-        membership = self.last_state == WorkerState.HEALTHY and self._pcontext and self._pcontext.wait(0) is None
-        if membership:
-            print(f"another node restarted its workers (or a node joins): this node's stop and start again with "
-                  f"every node's, not counted as a restart; {resumes()}", file=sys.stderr, flush=True)
-        try:
-            super()._stop_workers(worker_group, *args, **kwargs)
-        finally:
-            self.restarting = False
-        if membership and self.run_dir is not None:  # the ranks' stop wrote "stopped" (SIGTERM); the run goes on
-            write_status(self.run_dir, "running")
 
     def stopped_elsewhere(self) -> bool:
         """Whether the run was stopped (status.json, since this agent started) while this node's workers ended well:
@@ -243,7 +217,6 @@ class Agent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY and self.frozen_after_s:
             result = self.frozen(worker_group) or result
-        self.last_state = result.state
         if result.is_failed():
             self.reported = self._pcontext  # its failures are reported here or at the end, not again by a stop
         if result.is_failed() and restart_would_repeat(result.failures):
@@ -291,7 +264,7 @@ class Agent(LocalElasticAgent):
         for name in SIGNALS_TO_HANDLE.split(","):
             signal.signal(signal.Signals[name], self._kill_workers)
         forwarded = FORWARDED_AS.get(death_sig, death_sig)
-        if self._pcontext and self._pcontext.wait(0) is None and not self.restarting:  # a signal stops them
+        if self._pcontext and self._pcontext.wait(0) is None:  # a signal stops them
             # Said here, not by the workers' handlers (which only set a flag) nor by a rank that may be stuck.
             print(f"{signal.Signals(death_sig).name}: the workers save a checkpoint at the next step boundary and stop "
                   f"(up to launcher.shutdown_timeout_s={timeout}); send it again to stop them at once", file=sys.stderr, flush=True)
@@ -325,7 +298,7 @@ class Agent(LocalElasticAgent):
         result = self._pcontext.wait(0)
         if result is None:
             return {}
-        workers = self._worker_group.workers
+        workers = self.get_worker_group().workers
         stops = (-signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL)
         return {workers[local].global_rank: failure
                 for local, failure in result.failures.items() if failure.exitcode not in stops}
@@ -339,26 +312,37 @@ class Agent(LocalElasticAgent):
                 pass
 
 
-class AnnouncedRendezvous:
-    """The rendezvous handler, saying while it waits: "waiting for 1 of 2 nodes at node0:29400 ...".
+class Rendezvous:
+    """torch's rendezvous handler, through its public methods only (torch's agent calls nothing else), with what the
+    launcher adds to them:
 
-    Without it a node whose peers have not started prints nothing for up to launcher.rdzv_timeout_s. Everything
-    but `next_rendezvous` is the wrapped handler's (torch's agent only calls its public methods)."""
+    - after each round, every node's agent agrees on the attempt: node 0 counts the rounds of the run in the
+      rendezvous store, the round's own store carries the count to the others (ATTEMPT_ENV, the same on every node,
+      where the restart count is each node's own: a node back after a loss counts from 0). With the store's address
+      (MEETING_STORE_ENV) it reaches the workers, whose rank 0 says there where this attempt's store is
+      (train/dist.py attempt_store);
+    - while the nodes meet, it says so: "waiting for the other 1 of 2 nodes at node0:29400 ..." (without it a node
+      whose peers have not started prints nothing for up to launcher.rdzv_timeout_s);
+    - when the agent finds nodes waiting (`num_nodes_waiting`: another node restarted its workers, or joins), it
+      says that this node's workers stop and start again with theirs, not counted as a restart, and the next round
+      writes "running" over the "stopped" their stop wrote."""
 
     FIRST_S, EVERY_S = 3.0, 15.0
 
-    def __init__(self, handler, endpoint: str, nodes: int, timeout_s: int):
+    def __init__(self, handler, endpoint: str, nodes: int, timeout_s: int, run_dir: Path | None = None):
         self.handler, self.endpoint, self.nodes, self.timeout_s = handler, endpoint, nodes, timeout_s
+        self.run_dir, self.membership = run_dir, False
 
     def __getattr__(self, name: str):
         return getattr(self.handler, name)
 
-    def joined(self) -> int | None:
-        """Nodes in the current round so far (from the handler's state: private, so None if it is not there)."""
-        try:
-            return len(self.handler._state_holder.state.participants)
-        except AttributeError:
-            return None
+    def num_nodes_waiting(self) -> int:
+        waiting = self.handler.num_nodes_waiting()
+        if waiting > 0 and not self.membership:  # torch's agent asks while its workers train well; it restarts them
+            self.membership = True
+            print(f"another node restarted its workers (or a node joins): this node's stop and start again with "
+                  f"every node's, not counted as a restart; {resumes()}", file=sys.stderr, flush=True)
+        return waiting
 
     def next_rendezvous(self):
         # In a thread of its own: the main thread waits on an event, where a Ctrl-C ends the launch at once. Inside
@@ -367,27 +351,44 @@ class AnnouncedRendezvous:
 
         def meet() -> None:
             try:
-                outcome["value"] = self.handler.next_rendezvous()
+                outcome["value"] = info = self.handler.next_rendezvous()
+                self.agree_on_attempt(info)
             except BaseException as error:  # noqa: BLE001 - raised in the caller's thread below
                 outcome["error"] = error
             finally:
                 done.set()
 
-        threading.Thread(target=self._announce, args=(done,), name="rendezvous-announcer", daemon=True).start()
+        if self.nodes > 1:
+            threading.Thread(target=self._announce, args=(done,), name="rendezvous-announcer", daemon=True).start()
         threading.Thread(target=meet, name="rendezvous", daemon=True).start()
         while not done.wait(0.5):
             pass
         if "error" in outcome:
             raise outcome["error"]
+        if self.membership and self.run_dir is not None:  # the ranks' stop wrote "stopped" (SIGTERM); the run goes on
+            write_status(self.run_dir, "running")
+        self.membership = False
         return outcome["value"]
+
+    def agree_on_attempt(self, info) -> None:
+        """ATTEMPT_ENV and MEETING_STORE_ENV for the workers this round starts. `info.store` is the round's own
+        (keys under the round's prefix); the count is kept in the store under it, which lives as long as the run."""
+        store = getattr(info.store, "underlying_store", None)
+        if not isinstance(store, TCPStore):  # not the c10d backend's TCPStore: the workers fall back to the restart count
+            os.environ.pop(ATTEMPT_ENV, None)
+            os.environ.pop(MEETING_STORE_ENV, None)
+            return
+        if info.rank == 0:
+            info.store.set("train/attempt", str(store.add(f"train/{self.handler.get_run_id()}/rounds", 1)))
+        os.environ[ATTEMPT_ENV] = info.store.get("train/attempt").decode()
+        os.environ[MEETING_STORE_ENV] = f"{store.host}:{store.port}"
 
     def _announce(self, done: threading.Event) -> None:
         start, wait = time.monotonic(), self.FIRST_S
         while not done.wait(wait):
-            joined = self.joined()
-            missing = f"{self.nodes - joined} of {self.nodes}" if joined else f"the other {self.nodes - 1} of {self.nodes}"
-            print(f"waiting for {missing} nodes at {self.endpoint} ({time.monotonic() - start:.0f} s of "
-                  f"launcher.rdzv_timeout_s={self.timeout_s}); start the same command on every node", file=sys.stderr, flush=True)
+            print(f"waiting for the other {self.nodes - 1} of {self.nodes} nodes at {self.endpoint} "
+                  f"({time.monotonic() - start:.0f} s of launcher.rdzv_timeout_s={self.timeout_s}); start the same "
+                  f"command on every node", file=sys.stderr, flush=True)
             wait = self.EVERY_S
 
 
@@ -425,52 +426,19 @@ class Repeated(logging.Filter):
         return not str(record.msg).startswith("failed (exitcode")
 
 
-class HeldMasterPort:
-    """torch's agent picks the workers' MASTER_PORT free, lets it go, and rank 0 binds it a few seconds later; in
-    between another process could take it (a bind, or an outgoing connection's local port), and rank 0 failed with
-    EADDRINUSE (seen in CI, with tests in parallel). This stands in for torch's `get_free_port` and keeps each port
-    it gives bound until the next attempt's or the agent's end: rank 0's store binds it with SO_REUSEADDR still."""
-
-    def __init__(self) -> None:
-        self.held = None
-
-    def __call__(self) -> int:
-        self.release()
-        self.held = hold_free_port()
-        return self.held.getsockname()[1]
-
-    def release(self) -> None:
-        if self.held is not None:
-            self.held.close()
-            self.held = None
-
-
 def run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_after_s: float = 0.0,
               hang_dir: Path | None = None, agent_store: bool = False, run_dir: Path | None = None) -> None:
     """Run the worker group to completion; raise ChildFailedError when it fails for good. A worker stopped for
     `frozen_after_s` (0: never) fails the group as a hang, said in `hang_dir`. `run_dir`: where status.json tells
-    whether the run was stopped. `agent_store`: the workers are
-    given the agent's rendezvous store as MASTER_ADDR:MASTER_PORT, as torchrun gives it (a script's own loop);
-    else rank 0 serves a fresh store per attempt (the trainer, train/dist.py)."""
-    master_port, free_port = HeldMasterPort(), getattr(rendezvous_api, "get_free_port", None)
-    if free_port is not None:  # where torch has it (where not, its own way of picking the port runs)
-        rendezvous_api.get_free_port = master_port
-    try:
-        _run_agent(config, entrypoint, args, frozen_after_s, hang_dir, agent_store, run_dir)
-    finally:
-        if free_port is not None:
-            rendezvous_api.get_free_port = free_port
-        master_port.release()
-
-
-def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_after_s: float,
-               hang_dir: Path | None, agent_store: bool, run_dir: Path | None) -> None:
+    whether the run was stopped. `agent_store`: the workers are given the agent's store as MASTER_ADDR:MASTER_PORT,
+    as torchrun gives it (a script's own loop); else rank 0 serves a fresh store per attempt (the trainer,
+    train/dist.py attempt_store)."""
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(Repeated())
     # What torch's launch_agent does with LaunchConfig.signals_to_handle (a field since torch 2.12; the variable before)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = getattr(config, "signals_to_handle", None) or SIGNALS_TO_HANDLE
-    # The trainer's workers must not reuse the agent's rendezvous store: its keys outlive a restart, and the
-    # restarted ranks read their predecessors' addresses and hang in init (pytorch/pytorch#135712). Rank 0 hosts
-    # a fresh store per attempt instead, on a port the agent picks. A script gets torchrun's default.
+    # The agent's store keeps its keys across restarts: restarted ranks read their predecessors' addresses and hang
+    # in init (pytorch/pytorch#135712). The trainer's rank 0 serves a fresh store per attempt instead, and says where
+    # in the rendezvous store (`Rendezvous.agree_on_attempt`). A script gets torchrun's default.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0" if agent_store else "1"
     parameters = RendezvousParameters(
         backend=config.rdzv_backend,
@@ -481,9 +449,8 @@ def _run_agent(config: LaunchConfig, entrypoint: str, args: list[str], frozen_af
         local_addr=config.local_addr,
         **config.rdzv_configs,
     )
-    handler = rdzv_registry.get_rendezvous_handler(parameters)
-    if config.max_nodes > 1:
-        handler = AnnouncedRendezvous(handler, config.rdzv_endpoint, config.max_nodes, config.rdzv_configs["timeout"])
+    handler = Rendezvous(rdzv_registry.get_rendezvous_handler(parameters), config.rdzv_endpoint, config.max_nodes,
+                         config.rdzv_configs["timeout"], run_dir)
     numa = getattr(config, "numa_options", None)  # LaunchConfig and WorkerSpec fields of newer torch
     spec = WorkerSpec(
         role="trainer",
