@@ -96,11 +96,22 @@ def launch_config(cfg: Config, run_dir: Path) -> LaunchConfig:
         local_addr=os.environ.get(NODE_ADDR_ENV) or None,
     )
     # Fields of LaunchConfig in newer torch, set after construction so that torch 2.11 takes them too
-    # (launcher.backends.agent reads them where they are).
+    # (launcher.backends.agent reads them where they are). There, they are no fields: a copy made with
+    # dataclasses.replace lacks them unless given them again (`with_newer_fields`).
     config.shutdown_timeout = cfg.launcher.shutdown_timeout_s
     config.signals_to_handle = SIGNALS_TO_HANDLE
     config.numa_options = numa_options(cfg.launcher.numa_binding)
     return config
+
+
+NEWER_FIELDS = ("shutdown_timeout", "signals_to_handle", "numa_options")
+
+
+def with_newer_fields(copy: LaunchConfig, original: LaunchConfig) -> LaunchConfig:
+    """`copy` (dataclasses.replace of `original`) with the fields of newer torch that `launch_config` set."""
+    for name in NEWER_FIELDS:
+        setattr(copy, name, getattr(original, name))
+    return copy
 
 
 NUMA_BINDINGS = ("none", "node", "socket", "exclusive", "core-complex")

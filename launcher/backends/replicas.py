@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from launcher.backends.local import launch_config, run_workers
+from launcher.backends.local import launch_config, run_workers, with_newer_fields
 from launcher.schema import Config
 from train.dist import exit_without_finalizing
 from train.host import die_with_parent
@@ -43,9 +43,9 @@ def group_main(snapshot: str, group: int) -> int:
     per_node = cfg.trainer.replica_groups // cfg.trainer.nodes  # a node runs its share of the groups
     nproc = procs_per_node(cfg.trainer) // per_node
     # A group is one node's processes (or a share of them): its own one-node rendezvous, whatever the run's nodes.
-    config = dataclasses.replace(config, min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-                                 run_id=f"{config.run_id}-group{group}", rdzv_endpoint="localhost:0",
-                                 log_line_prefix_template=f"[group{group} rank${{rank}}]:")  # rank 0 of each group
+    config = with_newer_fields(dataclasses.replace(
+        config, min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"{config.run_id}-group{group}",
+        rdzv_endpoint="localhost:0", log_line_prefix_template=f"[group{group} rank${{rank}}]:"), config)
     if cfg.trainer.gpus:  # this group's GPUs of the node
         os.environ["CUDA_VISIBLE_DEVICES"] = group_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), group % per_node, nproc)
     started = time.monotonic()
