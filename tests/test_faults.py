@@ -338,13 +338,14 @@ def test_a_rendezvous_port_in_use_is_refused_before_start(launch, tmp_path):
     assert f"launcher.rdzv_endpoint=localhost:{port}: port {port} is already in use" in proc.stderr
 
 
-def test_the_workers_master_port_cannot_be_taken_between_the_agents_choice_and_rank_0s_start(launch, tmp_path):
-    """The agent picks MASTER_PORT and rank 0 binds it seconds later; a process that binds it in between (here: a
-    fault in rank 0 before it starts) made rank 0 fail with EADDRINUSE (seen in CI). The agent holds it bound."""
+def test_a_process_taking_the_port_the_agent_picked_does_not_stop_the_ranks_meeting(launch, tmp_path):
+    """torch's agent picks a free MASTER_PORT and lets it go; rank 0 bound it seconds later, and a process that bound
+    it in between (here: a fault in rank 0 before it starts) made rank 0 fail with EADDRINUSE (seen in CI). Rank 0
+    now serves the attempt's store on a port the system gives it, and says where in the rendezvous store: the port
+    the agent picked can be taken and the ranks meet all the same."""
     proc = launch(*FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16", "trainer.max_steps=2",
                   f"hydra.run.dir={tmp_path / 'run'}", env=fault_env("take_port", rank=0), timeout=120)
-    assert "[fault] took MASTER_PORT" not in proc.stdout
-    assert "[fault] MASTER_PORT" in proc.stdout and "was held: [Errno 98] Address already in use" in proc.stdout
+    assert "[fault] took MASTER_PORT" in proc.stdout  # nothing holds the agent's pick: the fault took it
     assert proc.returncode == 0, proc.stderr
 
 

@@ -159,6 +159,23 @@ def test_replica_groups_one_per_node_a_killed_one_restarts_on_its_node_and_heals
         assert f"replica group {group}: weights identical to the other groups' at step 64 (2 taking part)" in logs
 
 
+def test_a_failure_that_repeats_with_no_progress_is_not_restarted_again(cluster, tmp_path):
+    """A rank's own error again in the next attempt, with no step logged past the attempt before's (a user's bug, a
+    bad sample): a restart from the same checkpoint would meet it again. Ray's default launcher.max_restarts=3 took
+    109 s to fail such a run (issue 61); it now ends after the first restart shows the error repeats, saying why."""
+    run_dir = tmp_path / "run"
+    broken = [f"+launcher.env.PYTHONPATH={FAULTS_DIR}", "+launcher.env.FAULT=config", "+launcher.env.FAULT_RANK=1"]
+    proc = launch(tmp_path, *JOB, *broken, "launcher.max_restarts=3", "launcher.wait=true", f"hydra.run.dir={run_dir}")
+    assert proc.returncode != 0
+    logs = jobs("logs", str(run_dir), "--lines", "400", cwd=tmp_path).stdout
+    assert "restarting every node from the last checkpoint (1 of launcher.max_restarts=3)" in logs, logs[-3000:]
+    assert "(2 of launcher.max_restarts=3)" not in logs, logs[-3000:]
+    assert "attempt 1 failed as attempt 0 did, with the same error after its start: not restarted again" in logs
+    said = json.loads((run_dir / "status.json").read_text())
+    assert said["status"] == "failed" and "injected config error on rank 1" in said["error"], said
+    assert "a restart would repeat it" in said["error"], said
+
+
 def test_a_sweep_is_submitted_at_once_and_bad_input_is_refused_before_submission(cluster, tmp_path):
     # One node each: the two points run side by side on the cluster's two nodes, not one after the other
     one_node = [o if o != "trainer.nodes=2" else "trainer.nodes=1" for o in JOB]

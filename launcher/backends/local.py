@@ -4,8 +4,9 @@ Each worker is `python -m train RUN_DIR/config.yaml` with the env:// variables s
 user gets from `torchrun -m train RUN_DIR/config.yaml`, so there is one training code path.
 
 Ports: on one node the rendezvous listens on port 0 (the OS picks a free one and the agent holds it), and the
-workers' MASTER_PORT is picked by the agent per attempt, so two runs at once do not clash. On several nodes every
-node runs the same command with launcher.rdzv_endpoint=HOST:PORT of the first node.
+trainer's rank 0 serves each attempt's store on a port the OS gives and says where in the rendezvous store
+(train/dist.py attempt_store), so two runs at once do not clash. On several nodes every node runs the same command
+with launcher.rdzv_endpoint=HOST:PORT of the first node.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from launcher.backends.ray import WORK_DIR, bundle
 from launcher.run_dir.lease import Lease, Renewer, read_lease
 from launcher.schema import Config
 from train.host import PARENT_ENV, USER_PATH_ENV
+from train.observe.metrics import read_records
 from train.observe.status import read_status, write_status
 from train.writer import LEASE_KEY_ENV
 
@@ -217,8 +218,16 @@ class Driver:
             self.agents = []
             remove_placement_group(group)
 
+    def failed_by_itself(self, said: dict) -> tuple | None:
+        """A failed attempt's rank error and the last step it logged, where a rank failed by itself (not a node
+        lost, nor a rank that only lost its peer: their next attempt may well go through); else None."""
+        if said.get("status") != "failed" or not said.get("error") or said.get("first_failed", [True])[0]:
+            return None
+        steps = [r["step"] for r in read_records(self.run_dir) if r.get("kind") == "train"]
+        return said["error"], steps[-1] if steps else None
+
     def run(self) -> int:
-        restarts, limit = 0, self.cfg.launcher.max_restarts
+        restarts, limit, before = 0, self.cfg.launcher.max_restarts, None
         while True:
             code, what = self.attempt(restarts)
             print(f"attempt {restarts}: {what}", flush=True)
@@ -230,6 +239,18 @@ class Driver:
                 return code
             if code == 65:  # the loss turned NaN or inf (train/finite.py): a restart would reach it again
                 return code
+            failure = self.failed_by_itself(said)
+            if failure is not None and failure == before:
+                # The same rank error as the attempt before, with no step logged past its: a restart from the same
+                # checkpoint would meet it again (a bug, a bad sample); restarts are for lost nodes and flukes
+                step = f"step {failure[1]}" if failure[1] is not None else "its start"
+                write_status(self.run_dir, "failed", error=f"{failure[0]}; {what}; the same error as attempt "
+                             f"{restarts - 1}, again after {step}: not restarted again, a restart would repeat it")
+                print(f"attempt {restarts} failed as attempt {restarts - 1} did, with the same error after {step}: "
+                      f"not restarted again (launcher.max_restarts={limit}), a restart would repeat it; fix the error "
+                      f"and run the same command (it resumes from the last checkpoint)", flush=True)
+                return code
+            before = failure
             if restarts >= limit:
                 # The failing rank's own error, where a node's agent wrote it this attempt, first
                 cause = f"{said['error']}; " if status == "failed" and said.get("error") else ""
@@ -238,6 +259,8 @@ class Driver:
             restarts += 1
             print(f"restarting every node from the last checkpoint ({restarts} of launcher.max_restarts={limit})",
                   flush=True)
+            # status.json keeps the first failure it is told of: the next attempt's is its own
+            write_status(self.run_dir, "running")
             time.sleep(1)
 
 
