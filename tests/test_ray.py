@@ -167,6 +167,7 @@ def test_a_failure_that_repeats_with_no_progress_is_not_restarted_again(cluster,
     broken = [f"+launcher.env.PYTHONPATH={FAULTS_DIR}", "+launcher.env.FAULT=config", "+launcher.env.FAULT_RANK=1"]
     proc = launch(tmp_path, *JOB, *broken, "launcher.max_restarts=3", "launcher.wait=true", f"hydra.run.dir={run_dir}")
     assert proc.returncode != 0
+    assert "injected config error on rank 1" in proc.stdout  # the job's output, shown as it came (launcher.wait=true)
     logs = jobs("logs", str(run_dir), "--lines", "400", cwd=tmp_path).stdout
     assert "restarting every node from the last checkpoint (1 of launcher.max_restarts=3)" in logs, logs[-3000:]
     assert "(2 of launcher.max_restarts=3)" not in logs, logs[-3000:]

@@ -483,6 +483,9 @@ def test_a_crashing_script_fails_its_job_with_its_own_traceback(cluster, tmp_pat
     assert status["status"] == "failed"
     assert status["error"] == "rank 1 failed: ValueError: my loop broke at epoch 1 on rank 1"  # not rank 0's lost peer
     assert "my_loop.py" in (slurm_folder(run_dir) / f"{job_id}_1_log.err").read_text()  # its own traceback, in its task's log
+    # The waiting launch showed task 0's output as it came (rank 0's, as a local run's console shows it)
+    shown = [line for line in (slurm_folder(run_dir) / f"{job_id}_0_log.out").read_text().splitlines() if line.strip()]
+    assert shown and all(line in proc.stdout for line in shown), (shown, proc.stdout[-2000:])
 
 
 def test_a_scripts_job_names_the_rank_that_failed_by_itself_not_the_one_that_lost_its_peer(tmp_path):

@@ -97,6 +97,38 @@ class SubmittingBackend(Backend):
                 if tail else f"the job left no log: python -m launcher.jobs status {run_dir}")
 
 
+def one_run_waits() -> bool:
+    """Whether a waiting launch (launcher.wait=true) shows its job's output as it comes: a single run, as a local
+    run shows its ranks'; not a point of a sweep or a study's trial, several of which wait at once (their
+    summaries say how each ended, `launcher.jobs logs` shows a job's output)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return not (HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN)
+
+
+class FileFollower:
+    """The lines added to log files since the last look, each file to its stream (a job's stdout to this stdout,
+    its stderr to stderr): a waiting launch's view of a job that writes its output into files (SLURM's)."""
+
+    def __init__(self, files: list[tuple[Path, object]]):
+        self.files, self.read = files, {path: 0 for path, _ in files}
+
+    def show_new(self) -> None:
+        for path, stream in self.files:
+            try:
+                with open(path, "rb") as file:
+                    file.seek(self.read[path])
+                    data = file.read()
+            except FileNotFoundError:  # the job has not started yet
+                continue
+            complete = data[:data.rfind(b"\n") + 1]  # whole lines only: the rest comes at the next look
+            self.read[path] += len(complete)
+            if complete:
+                stream.write(complete.decode(errors="replace"))
+                stream.flush()
+
+
 def get_backend(name: str) -> Backend:
     """The backend called `name` (launcher.name); KeyError if there is none."""
     module, _, cls = BACKENDS[name].partition(":")

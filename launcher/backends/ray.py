@@ -9,16 +9,18 @@ as on SLURM. Every submission is recorded in RUN_DIR/ray/jobs.jsonl for `python 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import shlex
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 
-from launcher.backends.base import LogsUnavailable, SubmittingBackend
+from launcher.backends.base import LogsUnavailable, SubmittingBackend, one_run_waits
 from launcher.run_dir.lease import Lease, release, take_lease
 from launcher.schema import Config
 from train.observe.status import read_status, write_status
@@ -240,7 +242,7 @@ class Ray(SubmittingBackend):
               f"  the ranks run in {run_dir / WORK_DIR} (a copy of {root} as uploaded): what they write there "
               f"stays with the run\n"
               f"  follow: python -m launcher.jobs status {run_dir}   (also: logs, cancel)", flush=True)
-        return wait_for_job(job_id, address, run_dir) if cfg.launcher.wait else 0
+        return wait_for_job(job_id, address, run_dir, show_output=one_run_waits()) if cfg.launcher.wait else 0
 
     def holder_alive(self, lease: Lease) -> tuple[bool, str]:
         state = job_status(lease.job_id, lease.address)
@@ -283,8 +285,26 @@ class Ray(SubmittingBackend):
         return [f"stopping Ray job(s): {' '.join(stopped)}"] if stopped else []
 
 
-def wait_for_job(job_id: str, address: str, run_dir: Path, poll_s: float = 2.0) -> int:
-    """Block until the job has ended; 0 if the run finished (status.json), else 1."""
+def follow_job_log(job_id: str, address: str) -> threading.Thread:
+    """The job's output on this console as it comes (every node's, as Ray's job log holds it): Ray's own follower
+    of a job's log (`tail_job_logs`), in a thread of its own; it ends with the job."""
+    async def follow() -> None:
+        async for lines in client(address).tail_job_logs(job_id):
+            print(lines, end="", flush=True)
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # a cluster gone mid-way: the wait below says so
+            asyncio.run(follow())
+
+    thread = threading.Thread(target=run, name="job-log", daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_for_job(job_id: str, address: str, run_dir: Path, poll_s: float = 2.0, show_output: bool = False) -> int:
+    """Block until the job has ended; 0 if the run finished (status.json), else 1. `show_output`: the job's output
+    is shown as it comes."""
+    follower = follow_job_log(job_id, address) if show_output else None
     unanswered_since = None
     while (state := job_status(job_id, address)) in ACTIVE or state == "UNKNOWN":
         if state == "UNKNOWN":
@@ -296,6 +316,8 @@ def wait_for_job(job_id: str, address: str, run_dir: Path, poll_s: float = 2.0) 
         else:
             unanswered_since = None
         time.sleep(poll_s)
+    if follower is not None:
+        follower.join(timeout=10)  # the job's last lines before the word on how it ended
     said = read_status(run_dir)
     status = said.get("status", "unknown")
     print(f"Ray job {job_id} ended: {state}; the run is {status}")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launcher.backends.base import SubmittingBackend
+from launcher.backends.base import FileFollower, SubmittingBackend, one_run_waits
 from launcher.backends.script import script_command
 from launcher.backends.slurm_job import (
     ENV_CONTRACT,
@@ -300,7 +300,7 @@ class Slurm(SubmittingBackend):
             f"  follow: python -m launcher.jobs status {run_dir}   (also: logs, cancel)",
             flush=True,
         )
-        return wait_for_job(job.job_id, run_dir) if cfg.launcher.wait else 0
+        return wait_for_job(job.job_id, run_dir, show_output=one_run_waits()) if cfg.launcher.wait else 0
 
     def holder_alive(self, lease: Lease) -> tuple[bool, str]:
         state = job_state(lease.job_id)["state"]
@@ -337,10 +337,15 @@ class Slurm(SubmittingBackend):
         return [f"cancelled: {' '.join(active)}"] if active else []
 
 
-def wait_for_job(job_id: str, run_dir: Path, poll_s: float = 2.0) -> int:
+def wait_for_job(job_id: str, run_dir: Path, poll_s: float = 2.0, show_output: bool = False) -> int:
     """Block until the job has ended for good (through requeues): its lease released or its owner gone. The exit
-    code: 0 if the run finished (status.json), else 1."""
+    code: 0 if the run finished (status.json), else 1. `show_output`: task 0's output (rank 0's, as a local run's
+    console shows it) is shown as it comes."""
+    base = slurm_folder(run_dir) / f"{job_id}_0_log"
+    output = FileFollower([(base.with_suffix(".out"), sys.stdout), (base.with_suffix(".err"), sys.stderr)])
     while True:
+        if show_output:
+            output.show_new()
         lease = read_lease(run_dir)
         if lease is None or lease.key != job_lease(job_id).key:
             break  # released at a clean end (or taken over once the job had ended)
@@ -350,6 +355,8 @@ def wait_for_job(job_id: str, run_dir: Path, poll_s: float = 2.0) -> int:
         time.sleep(poll_s)
     while job_state(job_id)["state"] in ACTIVE:  # released at its clean end: the job is about to end
         time.sleep(poll_s)
+    if show_output:
+        output.show_new()
     said = read_status(run_dir)
     status = said.get("status", "unknown")
     print(f"job {job_id} ended: {job_state(job_id)['state']}; the run is {status}")

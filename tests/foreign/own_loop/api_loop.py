@@ -52,4 +52,5 @@ while step < args.steps:
 if rank == 0:
     torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, ckpt)
     print(f"saved step {step}", flush=True)
+dist.barrier()  # the ranks leave together: on torch 2.11 a rank leaving while rank 0 saves aborted (docs/your-loop.md)
 dist.destroy_process_group()
