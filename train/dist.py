@@ -135,8 +135,8 @@ def rendezvous_store(env: DistEnv, timeout: timedelta) -> dist.Store:
         elif (found := store.get(ATTEMPT_KEY).decode()) != attempt:
             raise RuntimeError(
                 f"MASTER_PORT={port} on {host} serves another run (attempt {found!r}), not this one ({attempt!r}): "
-                f"another launch took the port between the agent's choice and this rank's start. This attempt stops; "
-                f"with launcher.max_restarts the next one gets another port, or run the same command again.")
+                f"another job came to the same port (its tasks pick it from the job's id, as this one's did). This "
+                f"attempt stops; run the same command again (a new job picks another port).")
     return store
 
 
