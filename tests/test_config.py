@@ -209,6 +209,9 @@ def test_strategy_combinations_are_checked_before_start(tmp_path):
     assert "trainer.grad_compression=bf16 applies to trainer.strategy=ddp only" in message
     assert "trainer.fsdp_cpu_offload=true needs trainer.strategy=fsdp on GPUs" in message
     assert "trainer.strategy='zero' is not one of: ddp, fsdp, pipeline" in problems("trainer.strategy=zero", run_dir=tmp_path)
+    message = problems("trainer.strategy=pipeline", "trainer.procs_per_node=2", "trainer.sync_batchnorm=true", run_dir=tmp_path)
+    assert "trainer.sync_batchnorm=true gathers BatchNorm statistics over every rank, which trainer.strategy=pipeline" in message
+    validate(typed("trainer.strategy=fsdp", "trainer.procs_per_node=2", "trainer.sync_batchnorm=true"), tmp_path, cuda_devices=0)
     validate(typed("trainer.strategy=pipeline", "trainer.procs_per_node=3"), tmp_path, cuda_devices=0)  # 3 blocks, 3 stages
 
 

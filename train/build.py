@@ -15,6 +15,7 @@ from torch import nn
 
 from train.config import TrainConfig
 from train.host import USER_PATH_ENV
+from train.parallel.batch_norm import batch_norms
 
 log = logging.getLogger("train")
 
@@ -61,17 +62,24 @@ def build_task_and_model(cfg: TrainConfig):
     return task, model, recipes
 
 
-def batch_statistics_note(model: nn.Module, replicas: int, accumulate: int, elastic: bool) -> str | None:
+def batch_statistics_note(model: nn.Module, replicas: int, accumulate: int, elastic: bool, synced: bool = False) -> str | None:
     """The line a model with BatchNorm layers gets where its global batch is split (over replicas, micro-batches or
-    an elastic world's ranks): its statistics are each piece's, so splitting the batch changes the training."""
-    norms = [name for name, module in model.named_modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]
-    if not norms or (replicas == 1 and accumulate == 1 and not elastic):
+    an elastic world's ranks): its statistics are each piece's, so splitting the batch changes the training.
+    trainer.sync_batchnorm (`synced`) computes them over the replicas; micro-batches stay apart."""
+    norms = batch_norms(model)
+    if not norms or (accumulate == 1 and not elastic and (replicas == 1 or synced)):
         return None
+    if synced:
+        return (f"{type(model).__name__} has {len(norms)} BatchNorm layer(s) ({norms[0]}, ...): trainer.sync_batchnorm "
+                f"computes their statistics over every rank, but each of the {accumulate} micro-batch(es) apart, so "
+                f"this run is not the one-process run of the same global batch to 1e-5 (trainer.accumulate=1 is"
+                f"{'; a change of world in an elastic run changes the micro-batches' if elastic else ''}).")
     return (f"{type(model).__name__} has {len(norms)} BatchNorm layer(s) ({norms[0]}, ...): their statistics are each "
             f"micro-batch's on each rank ({replicas} replica(s) x {accumulate} micro-batch(es) here), so this run is "
             f"not the one-process run of the same global batch to 1e-5 (2 x B differs from 1 x 2B"
-            f"{'; a change of world in an elastic run changes the split' if elastic else ''}). On GPUs, "
-            f"torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) in the model's build computes them over every rank.")
+            f"{'; a change of world in an elastic run changes the split' if elastic else ''}). "
+            f"trainer.sync_batchnorm=true computes them over every rank"
+            f"{' (with trainer.accumulate=1)' if accumulate > 1 or elastic else ''}.")
 
 
 def router_loss_note(model: nn.Module, replicas: int, accumulate: int, elastic: bool) -> str | None:

@@ -104,6 +104,7 @@ class TrainerConfig:
     bucket_cap_mb: int = 25  # DDP: size of the gradient buckets all-reduced while the backward pass goes on
     static_graph: bool = False  # DDP: the same parameters are used in every step (lets DDP skip per-step checks)
     grad_compression: str = "none"  # none | bf16 | fp16: all-reduce gradients in 16 bits (communication-bound runs)
+    sync_batchnorm: bool = False  # BatchNorm statistics over every rank's samples (2 x B trains as 1 x 2B does); torch's SyncBatchNorm on GPUs
     activation_checkpointing: bool = False  # recompute each block's activations in the backward: less memory, ~1/3 more compute
     peak_tflops: float = 0.0  # the device's peak for MFU; 0: a table of known GPUs (bf16 dense), none on CPU
     compile: bool = False  # torch.compile: ddp the whole module, fsdp each block (GPU: fewer kernel launches; first steps compile)

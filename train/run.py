@@ -35,6 +35,7 @@ from train.observe.peers import Peers
 from train.observe.throughput import flops_per_token
 from train.observe.watchdog import Watchdog
 from train.optim import build_optimization
+from train.parallel.batch_norm import sync_batch_norms
 from train.parallel.strategies import build_strategy
 from train.parallel.strategy import Strategy, memory_format, place
 from train.parts import Run
@@ -117,7 +118,10 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     plan = make_plan(cfg, where.world_size, size_of(data.train, cfg))
     with watchdog.phase("building the model"):
         task, model, recipes = build_task_and_model(cfg)
-    for note in (batch_statistics_note(model, plan.replicas, plan.accumulate, bool(plan.reference_world)),
+    if cfg.trainer.sync_batchnorm:
+        model = sync_batch_norms(model, device)
+    for note in (batch_statistics_note(model, plan.replicas, plan.accumulate, bool(plan.reference_world),
+                                       synced=cfg.trainer.sync_batchnorm),
                  router_loss_note(model, plan.replicas, plan.accumulate, bool(plan.reference_world))):
         if note and env.is_main:  # what splitting the global batch changes for this model
             log.warning(note)

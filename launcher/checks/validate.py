@@ -239,6 +239,12 @@ def _check_strategy(cfg: Config, problems: list[str], targets_ok: bool) -> None:
     elif t.sequence_parallel or t.loss_parallel or t.tp_plan:
         key = "sequence_parallel" if t.sequence_parallel else "loss_parallel" if t.loss_parallel else "tp_plan"
         problems.append(f"trainer.{key} applies with trainer.tp > 1 only: set trainer.tp, or leave it out.")
+    if t.sync_batchnorm and (t.strategy == "pipeline" or t.tp != 1 or t.fault_tolerance != "none"):
+        where = ("trainer.strategy=pipeline (each stage's layers see micro-batches in turn)" if t.strategy == "pipeline"
+                 else f"trainer.tp={t.tp} (a tp group's ranks hold the same samples)" if t.tp != 1
+                 else f"trainer.fault_tolerance={t.fault_tolerance} (a replica group restarts alone)")
+        problems.append(f"trainer.sync_batchnorm=true gathers BatchNorm statistics over every rank, which {where} does "
+                        f"not allow: use it with trainer.strategy=ddp or fsdp and trainer.tp=1, or leave it out.")
     copies = t.fsdp_replicate
     if copies < 0 or (copies > 0 and world_size(cfg.trainer) % copies):
         problems.append(f"trainer.fsdp_replicate={copies}: the copies of the sharded model must divide the world size "
