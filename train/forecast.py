@@ -1,4 +1,4 @@
-"""`python -m train.forecast RUN_DIR/config.yaml --world W --rank R`: rank R of a world of W, built on a laptop.
+"""`python -m train.forecast RUN_DIR/config.yaml --world W --rank R [R ...]`: rank R of a world of W, built on a laptop.
 
 torch's fake process group (backend "fake": every collective returns at once, nothing is sent) stands in for the
 W - 1 other ranks, and the model lives on the meta device (shapes, no memory): the run's device mesh and sharding
@@ -15,7 +15,7 @@ are the real ones at the target scale, for any model size, in seconds. What one 
   the loss's float32 copy of the output): B x T x V for a language model, ~2 x 1.65 GB for GPT-2 at 8 x 1024;
 - gathered: under fsdp, the largest sharded unit's whole parameters, twice (the one computing, the one prefetched).
 
-Printed as JSON for the launcher's dry run (launcher/checks/forecast.py), which judges it against the GPU's memory.
+Printed as JSON, a line per rank asked for (one process builds them in turn), for the launcher's dry run (launcher/checks/forecast.py), which judges it against the GPU's memory.
 """
 
 from __future__ import annotations
@@ -232,14 +232,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m train.forecast", description=__doc__.splitlines()[0])
     parser.add_argument("config", type=Path)
     parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--rank", type=int, nargs="+", default=[0], help="one or more ranks, built in turn")
     parser.add_argument("--stand-in", action="store_true",
                         help="plan with a stand-in of a built-in data set whose files are missing (train/data/stand_in.py)")
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
     add_import_path(cfg)
     torch.set_num_threads(1)
-    print(json.dumps(forecast(cfg, args.rank, args.world, args.stand_in)))
+    for rank in args.rank:
+        try:
+            figures = forecast(cfg, rank, args.world, args.stand_in)
+        except Exception as error:  # noqa: BLE001 (the user's model or data code: said in one line, with its rank)
+            raise SystemExit(f"building rank {rank} of {args.world} failed: {type(error).__name__}: {error}") from error
+        print(json.dumps(figures), flush=True)
 
 
 if __name__ == "__main__":
