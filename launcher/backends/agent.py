@@ -188,6 +188,14 @@ def resumes() -> str:
     return "training resumes from the newest checkpoint"
 
 
+# After a worker failed, the others cannot finish a step without it (their next collective waits on it): a stop
+# asked of them saves nothing, and a rank blocked in that collective never reaches the step boundary where it would
+# stop. They get this long to end on their own before they are killed (torch's process context, finding the failure,
+# gave them its close's default of 30 s: every restart after a frozen rank waited it out). The newest checkpoint
+# stays whole either way: saves are atomic.
+FAILED_GROUP_GRACE_S = 3.0
+
+
 class Agent(LocalElasticAgent):
     def __init__(self, *args, shutdown_timeout: int = 30, frozen_after_s: float = 0.0, hang_dir: Path | None = None,
                  run_dir: Path | None = None, **kwargs):
@@ -214,6 +222,7 @@ class Agent(LocalElasticAgent):
             super()._exit_barrier()
 
     def _monitor_workers(self, worker_group):
+        self.end_failed_group()
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY and self.frozen_after_s:
             result = self.frozen(worker_group) or result
@@ -228,6 +237,32 @@ class Agent(LocalElasticAgent):
             print(f"restarting the workers (restart {number} of {spec.max_restarts}); {resumes()}", file=sys.stderr,
                   flush=True)
         return result
+
+    def end_failed_group(self) -> None:
+        """Once a worker has ended with an error, the others get SIGTERM and FAILED_GROUP_GRACE_S, then SIGKILL,
+        before torch's monitor sees the failure (it would stop them itself, waiting 30 s for each that does not end:
+        a rank blocked in a collective with the failed one, or woken from SIGSTOP). Exit statuses are read without
+        reaping them (WNOWAIT): torch's monitor reads them after, as it would have."""
+        pids = list(self._pcontext.pids().values()) if self._pcontext else []
+        ended = {pid: _exit_status(pid) for pid in pids}
+        if not any(status not in (None, 0) for status in ended.values()):
+            return
+        self.end_workers([pid for pid, status in ended.items() if status is None])
+
+    @staticmethod
+    def end_workers(running: list[int]) -> None:
+        """SIGTERM (SIGCONT first: a stopped rank holds it pending), FAILED_GROUP_GRACE_S to end, then SIGKILL."""
+        for pid in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + FAILED_GROUP_GRACE_S
+        while running and time.monotonic() < deadline:
+            time.sleep(0.05)  # a process's end gives no event to wait on here (torch's Popen objects reap it)
+            running = [pid for pid in running if _exit_status(pid) is None]
+        for pid in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def frozen(self, worker_group) -> RunResult | None:
         """The group failed as hung where one of its processes has been stopped for frozen_after_s (looked at once
@@ -255,6 +290,7 @@ class Agent(LocalElasticAgent):
                 (incident / "summary.txt").write_text(f"hang report by the agent on {os.uname().nodename}: "
                                                       f"no report from rank {rank}: {line}\n")
         self.stopped_since.clear()
+        self.end_workers([p for p in (self._pcontext.pids().values() if self._pcontext else ()) if _exit_status(p) is None])
         # By global rank, as torch's own monitor keys the failures it reports (a local rank there named another node's)
         failure = ProcessFailure(worker.local_rank, pid, HANG_EXIT_CODE, "")
         return RunResult(state=WorkerState.FAILED, failures={worker.global_rank: failure})
@@ -310,6 +346,18 @@ class Agent(LocalElasticAgent):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _exit_status(pid: int) -> int | None:
+    """A child's exit status (the signal's number, negated, for a killed one) without reaping it; None while it runs
+    (or once reaped: nothing left to wait for)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 class Rendezvous:

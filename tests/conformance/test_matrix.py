@@ -553,6 +553,8 @@ def kill(backend: Backend, mode: str, run_dir: Path, reference, sig: int = signa
     no_shadow(text)
     if backend.name == "local":  # one node: no other node's restart to restart with (a frozen group's end said so)
         assert "not counted as a restart" not in text, text[-3000:]
+        # the group's other rank ended within the agent's grace, not torch's 30 s wait for a rank that ignores SIGTERM
+        assert "Unable to shutdown process" not in text, text[-3000:]
     if backend.name == "slurm" and mode != "replicas":  # a task per rank, no agent: the same command resumes
         assert ended == backend.failed, f"ended {ended!r}\n{text[-4000:]}"
         said = status(run_dir)
