@@ -117,10 +117,10 @@ def test_tp2_reaches_one_process_and_its_checkpoint_resumes_as_one_process(corpu
     assert evals(tmp_path / "sp")[8] == pytest.approx(evals(tmp_path / "one")[8], rel=1e-6)
 
 
-def test_tp2_by_fsdp2_reaches_ddp_on_4_and_resumes_as_fsdp_on_4_and_as_one_process(corpus, tmp_path):
+def test_tp2_by_fsdp2_reaches_one_process_and_resumes_as_fsdp_on_4_and_as_one_process(corpus, tmp_path):
     """4 processes: tp groups {0,1} and {2,3}, each reading half the batch, sharded (or copied) over the other
-    dimension."""
-    gpt_run(corpus, tmp_path / "ddp", "trainer.procs_per_node=4", "data.batch_size=8", "trainer.max_steps=12")
+    dimension. The reference is one process with the global batch (ddp's 4 x 8 is it: test_gpt, test_counting)."""
+    gpt_run(corpus, tmp_path / "ddp", "trainer.procs_per_node=1", "data.batch_size=32", "trainer.max_steps=12")
     layered = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "trainer.tp=2",
                       "trainer.fsdp_replicate=1", "data.batch_size=16", "trainer.max_steps=8")
     assert "plan: 4 processes (fsdp, 2 dp_shard x 2 tp)" in layered.stdout
