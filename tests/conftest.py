@@ -103,6 +103,23 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(autouse=True)
+def _cpu_seconds(record_property):
+    """The CPU a test took, its own process's and that of the processes it started and waited for (launchers and,
+    through them, their ranks; not what a Ray or SLURM daemon runs for it), as the junit property `cpu_s`. The suite
+    is CPU-bound on 2 cores (wall ~ the tests' seconds / 3 workers), so what to make cheaper is read here, not from
+    the durations, which include waits: `python tests/file_seconds.py --cpu junit.xml`."""
+    import resource
+
+    def used() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    before = used()
+    yield
+    record_property("cpu_s", round(used() - before, 1))
+
+
+@pytest.fixture(autouse=True)
 def _alone_if_timed(request):
     """Under `pytest -n 3` (pytest-xdist, --dist=loadfile) three tests run at once. A test marked `alone` asserts
     time limits of a few seconds (hang and collective timeouts, slow I/O, one rank's stall against the other's):

@@ -10,6 +10,8 @@ The table is each file's measured seconds (the sum of its tests' durations on a 
 a time: tests/lanes.py). Refresh it after tests move between files:
 
     python -m pytest --junitxml=/tmp/junit.xml && python tests/file_seconds.py /tmp/junit.xml
+
+and `python tests/file_seconds.py --cpu /tmp/junit.xml` lists the tests by the CPU they took.
 """
 
 from __future__ import annotations
@@ -47,6 +49,22 @@ def from_junit(path: Path) -> dict[str, float]:
     return {file: round(total, 1) for file, total in seconds.most_common()}
 
 
+def cpu_by_test(path: Path) -> list[tuple[float, float, str]]:
+    """(CPU seconds, wall seconds, test id) of each test of a junit report, the most CPU first (tests/conftest.py
+    _cpu_seconds records the CPU)."""
+    rows = []
+    for case in ElementTree.parse(path).iter("testcase"):
+        cpu = next((float(p.get("value")) for p in case.iter("property") if p.get("name") == "cpu_s"), 0.0)
+        rows.append((cpu, float(case.get("time", 0)), f"{case.get('classname')}::{case.get('name')}"))
+    return sorted(rows, reverse=True)
+
+
 if __name__ == "__main__":
-    TABLE.write_text(json.dumps(from_junit(Path(sys.argv[1])), indent=1) + "\n")
-    print(f"wrote {TABLE}")
+    if sys.argv[1] == "--cpu":  # what to make cheaper: the tests that take the most CPU
+        rows = cpu_by_test(Path(sys.argv[2]))
+        print(f"{sum(r[0] for r in rows):.0f} s of CPU, {sum(r[1] for r in rows):.0f} s of test time")
+        for cpu, wall, test in rows[:40]:
+            print(f"{cpu:7.1f} cpu {wall:7.1f} s  {test}")
+    else:
+        TABLE.write_text(json.dumps(from_junit(Path(sys.argv[1])), indent=1) + "\n")
+        print(f"wrote {TABLE}")
