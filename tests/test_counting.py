@@ -220,7 +220,8 @@ def test_a_model_with_batch_norm_says_at_start_that_splitting_the_batch_changes_
     assert note and "BatchNorm layer(s)" in note and "2 replica(s) x 1 micro-batch(es)" in note
     assert "2 x B differs from 1 x 2B" in note and "trainer.sync_batchnorm=true computes them over every rank." in note
     assert batch_statistics_note(net, replicas=2, accumulate=1, elastic=False, synced=True) is None  # the fix
-    assert "each of the 2 micro-batch(es) apart" in batch_statistics_note(net, 2, 2, False, synced=True)
+    assert "over each micro-batch apart (trainer.accumulate=2)" in batch_statistics_note(net, 2, 2, False, synced=True)
+    assert "changes the micro-batches" in batch_statistics_note(net, 2, 1, True, synced=True)
     assert "elastic" in batch_statistics_note(net, replicas=1, accumulate=1, elastic=True)
     assert batch_statistics_note(net, replicas=1, accumulate=1, elastic=False) is None  # nothing is split
     assert batch_statistics_note(mlp(channels=1, image_size=8, num_classes=10, hidden=[8]), 4, 2, True) is None

@@ -71,9 +71,9 @@ def batch_statistics_note(model: nn.Module, replicas: int, accumulate: int, elas
         return None
     if synced:
         return (f"{type(model).__name__} has {len(norms)} BatchNorm layer(s) ({norms[0]}, ...): trainer.sync_batchnorm "
-                f"computes their statistics over every rank, but each of the {accumulate} micro-batch(es) apart, so "
-                f"this run is not the one-process run of the same global batch to 1e-5 (trainer.accumulate=1 is"
-                f"{'; a change of world in an elastic run changes the micro-batches' if elastic else ''}).")
+                f"computes their statistics over every rank, but over each micro-batch apart (trainer.accumulate="
+                f"{accumulate}{'; a change of world in an elastic run changes the micro-batches' if elastic else ''}), "
+                f"so this run is not the one-process run of the same global batch to 1e-5.")
     return (f"{type(model).__name__} has {len(norms)} BatchNorm layer(s) ({norms[0]}, ...): their statistics are each "
             f"micro-batch's on each rank ({replicas} replica(s) x {accumulate} micro-batch(es) here), so this run is "
             f"not the one-process run of the same global batch to 1e-5 (2 x B differs from 1 x 2B"

@@ -243,11 +243,12 @@ class Agent(LocalElasticAgent):
         before torch's monitor sees the failure (it would stop them itself, waiting 30 s for each that does not end:
         a rank blocked in a collective with the failed one, or woken from SIGSTOP). Exit statuses are read without
         reaping them (WNOWAIT): torch's monitor reads them after, as it would have."""
-        pids = list(self._pcontext.pids().values()) if self._pcontext else []
-        ended = {pid: _exit_status(pid) for pid in pids}
-        if not any(status not in (None, 0) for status in ended.values()):
-            return
-        self.end_workers([pid for pid, status in ended.items() if status is None])
+        ended = {pid: _exit_status(pid) for pid in self.worker_pids()}
+        if any(status not in (None, 0) for status in ended.values()):
+            self.end_workers([pid for pid, status in ended.items() if status is None])
+
+    def worker_pids(self) -> list[int]:
+        return list(self._pcontext.pids().values()) if self._pcontext else []
 
     @staticmethod
     def end_workers(running: list[int]) -> None:
@@ -290,7 +291,7 @@ class Agent(LocalElasticAgent):
                 (incident / "summary.txt").write_text(f"hang report by the agent on {os.uname().nodename}: "
                                                       f"no report from rank {rank}: {line}\n")
         self.stopped_since.clear()
-        self.end_workers([p for p in (self._pcontext.pids().values() if self._pcontext else ()) if _exit_status(p) is None])
+        self.end_workers([p for p in self.worker_pids() if _exit_status(p) is None])
         # By global rank, as torch's own monitor keys the failures it reports (a local rank there named another node's)
         failure = ProcessFailure(worker.local_rank, pid, HANG_EXIT_CODE, "")
         return RunResult(state=WorkerState.FAILED, failures={worker.global_rank: failure})
@@ -321,7 +322,7 @@ class Agent(LocalElasticAgent):
     def wake_workers(self) -> None:
         """SIGCONT to every worker's process group: a rank stopped by SIGSTOP (frozen, as a hang report names it)
         would hold the stop signal pending, and the restart waits launcher.shutdown_timeout_s for it to end."""
-        for pid in self._pcontext.pids().values() if self._pcontext else ():
+        for pid in self.worker_pids():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGCONT)
 
@@ -341,7 +342,7 @@ class Agent(LocalElasticAgent):
 
     def _kill_workers(self, signum: int, frame) -> None:
         print(f"{signal.Signals(signum).name} again: stopping the workers now, without a final checkpoint", file=sys.stderr, flush=True)
-        for pid in self._pcontext.pids().values() if self._pcontext else ():
+        for pid in self.worker_pids():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
