@@ -5,6 +5,7 @@ refused before start."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -134,6 +135,31 @@ def test_a_group_back_as_the_others_end_heals_in_their_last_quorum_and_checks_it
     assert healed == [24]  # straight to the end, in group 0's last quorum
     for group in (0, 1):
         assert f"replica group {group}: weights identical to the other groups' at step 24 (2 taking part)" in proc.stdout
+
+
+def test_a_group_back_after_the_others_ended_the_run_leaves_their_checkpoints_and_status(tmp_path, launch):
+    """Group 1 dies at step 20 and resumes from the checkpoint of step 16; group 0 ends the run (step 24, its final
+    checkpoint and status) before group 1 joins a quorum (tests/faults: RESTART_AFTER_END, END_WAIT_MARKER). Alone in
+    its first quorum, group 1 trained on from step 16 to 24 and wrote its own step 24 over group 0's final checkpoint,
+    its step lines into metrics.jsonl and its status (no evaluation) over the run's: a history that never was. It
+    now takes the newest checkpoint, finds the run ended there, and writes nothing."""
+    run_dir = tmp_path / "run"
+    # group 0 evaluates and writes step 24 only once group 1 has resumed (from step 16, the newest then)
+    proc = launch(*GROUPS, "launcher.max_restarts=1", f"hydra.run.dir={run_dir}", timeout=180,
+                  env={**killed(group=1, step=20), "RESTART_AFTER_END": str(run_dir),
+                       "END_WAIT_MARKER": str(run_dir / "restarted")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    at_end = json.loads((run_dir / "checkpoints-at-end.json").read_text())  # as group 0 left them
+    assert "step_00000024.pt" in at_end
+    assert {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in (run_dir / "checkpoints").iterdir() if path.is_file()} == at_end
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "finished" and status["step"] == 24, status
+    assert any(key.startswith("eval_") for key in status), status  # group 0's, with its evaluation
+    logged = train_steps(run_dir)
+    assert logged == sorted(set(logged)) and logged[-1] == 24, logged
+    assert "replica group 1: the other groups finished the run at step 24 while this group restarted: nothing left " \
+           "to do" in proc.stdout, proc.stdout[-3000:]
 
 
 @NEEDS_NAMESPACES

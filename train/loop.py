@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import logging
 import os
 import socket
 import sys
@@ -17,7 +19,7 @@ import torch
 
 from train import dist as distributed
 from train.checkpoint import BEST, BEST_DIR
-from train.checkpoint.run_state import write_checkpoint
+from train.checkpoint.run_state import resume, write_checkpoint
 from train.data.build import build_eval_batches
 from train.evaluate import evaluate
 from train.fault_tolerance import Alone, ReplicaGroups, replica_group
@@ -27,12 +29,14 @@ from train.observe.metrics import WhileWriting, build_metrics
 from train.observe.plan import describe_plan, tracked_run
 from train.observe.profile import build_profiler
 from train.observe.startup import report_startup
-from train.observe.status import mark_alive, write_status
+from train.observe.status import mark_alive, read_status, write_status
 from train.observe.throughput import peak_tflops
 from train.parts import Run
 from train.step import ForwardClock, Meter, SavedActivations, train_step
 from train.stopping import StopRequest
 from train.contract import PLAN_FILE  # noqa: F401  (the launcher-rank contract)
+
+log = logging.getLogger("train")
 
 
 @dataclass
@@ -108,6 +112,43 @@ def save_checkpoint(run: Run, is_best: bool = False, metrics=None) -> None:
                      device=run.device, is_best=is_best, metrics=metrics)
 
 
+def take_newer_checkpoint(run: Run) -> int | None:
+    """A replica group alone in the first quorum of its attempt (the others failed, or ended the run, while it
+    restarted) resumes from the newest checkpoint if the others committed one past the step it started from: trained
+    on from its older one, it would write a history they never had over their later checkpoints (over the final one
+    of a run they finished, at the same step, and over its status). The step it had started from if it took the
+    newer one, else None."""
+    ckpt, started_at = run.ckpt, run.progress.step
+    with ckpt.waiting("waiting for rank 0 to list the checkpoints"):
+        newest = distributed.broadcast_from_main(ckpt.newest_step() if ckpt.lists else -1, ckpt.group)
+    if newest <= started_at or not run.cfg.checkpoint.resume:
+        return None
+    with run.watchdog.phase("loading the checkpoint"):
+        progress, state = resume(ckpt, run.cfg, run.env, run.strategy, run.optimizer, run.scheduler, run.scaler,
+                                 run.plan)
+    if state is None:  # none of the newer ones loads (each reported and set aside): the state is untouched
+        return None
+    for field in dataclasses.fields(progress):  # in place: the heal's state_dict reads this object (train.run)
+        setattr(run.progress, field.name, getattr(progress, field.name))
+    if state["world_size"] == run.plan.world_size and state["global_batch"] == run.plan.global_batch:
+        run.batches.load_state_dict((ckpt.rank_state(state, run.env.rank) or {}).get("data"))
+    return started_at
+
+
+def finished_elsewhere(run: Run) -> bool:
+    """Whether the other replica groups ended the run, at this group's step, while it restarted (status.json says so:
+    the run's end, with its evaluation, is theirs to say, and stands; a group whose writer died before its status
+    leaves this one to say it). The same answer on every rank of the group. If so, rank 0 says it."""
+    said = read_status(run.run_dir) if run.env.rank == 0 else {}
+    ended = said.get("status") == "finished" and said.get("step", -1) >= run.progress.step
+    ended = distributed.broadcast_from_main(ended, run.control)
+    if ended and run.env.rank == 0:  # one write: the groups' processes share the console
+        sys.stdout.write(f"replica group {replica_group()}: the other groups finished the run at step "
+                         f"{run.progress.step} while this group restarted: nothing left to do\n")
+        sys.stdout.flush()
+    return ended
+
+
 def fit(run: Run) -> Outcome:
     cfg, plan, progress, env, watchdog = run.cfg, run.plan, run.progress, run.env, run.watchdog
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -142,10 +183,12 @@ def fit(run: Run) -> Outcome:
     profiler = build_profiler(cfg.trainer.profile, run.run_dir, env.rank, run.device, cfg.trainer.profile_ranks,
                               env.world_size)
     result: dict[str, float] = {}
-    stopped = False
+    stopped = ended_elsewhere = False
     micro_batches = None
     start, started = progress.step, time.perf_counter()
 
+    if grouped and restarts > 0 and progress.step >= plan.stop_step:  # resumed from the final checkpoint
+        ended_elsewhere = finished_elsewhere(run)
     if progress.step < plan.stop_step and progress.eval_step < progress.step and evaluation_due(run):
         result = evaluate_and_save(run, metrics, console)  # resumed at an epoch end whose evaluation never ran
 
@@ -154,6 +197,14 @@ def fit(run: Run) -> Outcome:
             micro_batches = None
             if progress.step >= plan.stop_step:
                 break
+        elif progress.step == start and grouped and run.replicas.participants == 1 \
+                and (started_at := take_newer_checkpoint(run)) is not None:
+            micro_batches, start = None, progress.step
+            if progress.step >= plan.stop_step:
+                ended_elsewhere = finished_elsewhere(run)
+                break
+            log.warning("replica group %d, alone: resumed from the other groups' newer checkpoint at step %d (it had "
+                        "restarted from step %d)", replica_group(), progress.step, started_at)
         epoch, offset = divmod(progress.step, plan.steps_per_epoch)
         if micro_batches is None or offset == 0:
             micro_batches = batches.epoch(epoch, start=offset * plan.accumulate)
@@ -211,14 +262,15 @@ def fit(run: Run) -> Outcome:
 
     run.finite.check()
     # The groups' weights are compared where they end: the last step, or the step they agreed to stop after.
-    if (identical := run.replicas.identical(run.strategy.model)) is not None and env.rank == 0:
+    if not ended_elsewhere and (identical := run.replicas.identical(run.strategy.model)) is not None \
+            and env.rank == 0:
         # One write, line and newline together: the groups' processes share the console (print() writes the two
         # apart under -u, and two groups' lines ran together)
         sys.stdout.write(f"replica group {replica_group()}: weights {'identical to' if identical else 'DIFFERENT from'} "
                          f"the other groups' at step {progress.step} ({run.replicas.participants} taking part)\n")
         sys.stdout.flush()
     # The run's end is said by the process that wrote its last checkpoint (with replica groups: the first live group)
-    says_end = env.rank == 0 and run.replicas.writes()
+    says_end = env.rank == 0 and run.replicas.writes() and not ended_elsewhere
     if grouped:
         console.settle(), metrics.settle()
     run.replicas.close()
@@ -228,6 +280,8 @@ def fit(run: Run) -> Outcome:
         forward.close()
     console.close()
     metrics.close()
+    if ended_elsewhere:  # their checkpoints and status stand: this group wrote nothing
+        return Outcome("complete", progress.step, result)
     if stopped:
         console.print(f"stopped at step {progress.step} with a checkpoint; run the same command again to resume" +
                       (" (when a node joins, an elastic run's ranks stop so and start again at once)"

@@ -28,6 +28,11 @@ restart runs clean):
   END_WAIT_MARKER the same ranks wait there until this file exists (at most 300 s): with HEAL_MARKER the same file,
                   until a restarted group is about to ask for its first quorum
   FAULT=kill_at_end  SIGKILL itself at the run's last evaluation, after its last step (first attempt)
+  RESTART_AFTER_END=RUN_DIR  with replica groups: a restarted group's ranks (a later attempt), once resumed, touch
+                  RUN_DIR/restarted (END_WAIT_MARKER's file, to hold the others' end until then), wait until
+                  RUN_DIR/status.json says "finished" (at most 300 s: the others ended the run while this group
+                  restarted), write RUN_DIR/checkpoints-at-end.json (the sha256 of each file of RUN_DIR/checkpoints
+                  then) and only then join the replica groups
   STEP_DELAY_MS   every optimizer step of every rank, in every attempt, takes this much longer (a slower model),
                   beside any FAULT; also in a SLURM task (a rank that sets RANK itself, after its start)
   TRACE_START=1 every rank, in every attempt, prints how it started, when it starts:
@@ -232,6 +237,33 @@ def act() -> None:
         delay_steps()
 
 
+
+    if os.environ.get("RESTART_AFTER_END") and os.environ.get("RANK") is not None \
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        # A restarted group has resumed (from the checkpoints as they were) and says so; it joins the replica groups
+        # only once the others have ended the run: no Manager of it heartbeats before, so none waits for it.
+        import hashlib
+        import json
+        import threading
+        import time
+        from pathlib import Path
+
+        import train.fault_tolerance
+
+        _build_replicas, _run_dir = train.fault_tolerance.build_replicas, Path(os.environ["RESTART_AFTER_END"])
+
+        def build_replicas_after_end(*args, **kwargs):
+            (_run_dir / "restarted").touch()
+            deadline, status = time.monotonic() + 300, _run_dir / "status.json"
+            while time.monotonic() < deadline and '"finished"' not in (status.read_text() if status.exists() else ""):
+                threading.Event().wait(0.05)
+            if os.environ["RANK"] == "0":
+                digests = {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+                           for path in sorted((_run_dir / "checkpoints").iterdir()) if path.is_file()}
+                (_run_dir / "checkpoints-at-end.json").write_text(json.dumps(digests))
+            return _build_replicas(*args, **kwargs)
+
+        replace(train.fault_tolerance, "build_replicas", build_replicas_after_end)
 
     if os.environ.get("HEAL_MARKER") and os.environ.get("RANK") is not None:
         # A restarted replica group writes HEAL_MARKER just before it asks for its first quorum; group 0 holds its

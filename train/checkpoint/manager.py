@@ -93,6 +93,11 @@ class CheckpointManager:
         stored = self.mirror.committed() if self.mirror is not None else []
         return max((c.commit for c in [*self.committed(), *stored]), default=LEGACY)
 
+    def newest_step(self) -> int:
+        """The highest step committed on the disk or in the store (-1: none)."""
+        stored = self.mirror.committed() if self.mirror is not None else []
+        return max((c.step for c in [*self.committed(), *stored]), default=-1)
+
     @contextlib.contextmanager
     def waiting(self, what: str):
         """Inside: waits on other ranks' I/O, which are neither hangs (the training watchdog pauses; streams stay
