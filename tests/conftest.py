@@ -90,9 +90,29 @@ def pytest_xdist_make_scheduler(config, log):
 MATRIX_TABLE = pytest.StashKey[str]()
 
 
+def cpu_times() -> tuple[float, float]:
+    """(busy, all) seconds of every core since boot (/proc/stat's first line, in clock ticks)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle and iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - idle) / hz, sum(ticks) / hz
+
+
+SESSION_CPU = pytest.StashKey[tuple]()
+
+
+def pytest_sessionstart(session):
+    session.config.stash[SESSION_CPU] = cpu_times()
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if MATRIX_TABLE in config.stash:
         terminalreporter.write_line("\n" + config.stash[MATRIX_TABLE])
+    if SESSION_CPU in config.stash and Path("/proc/stat").exists():
+        # Whether the cores were the limit: the suite is CPU-bound when this is near 100% (tests/lanes.py)
+        (busy0, all0), (busy1, all1) = config.stash[SESSION_CPU], cpu_times()
+        terminalreporter.write_line(f"the machine's cores were busy {100 * (busy1 - busy0) / max(all1 - all0, 1e-9):.0f}% "
+                                    f"of this session ({busy1 - busy0:.0f} s of CPU, {os.cpu_count()} cores)")
 
 
 def pytest_collection_modifyitems(items):
@@ -114,9 +134,12 @@ def _cpu_seconds(record_property):
         own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
-    before = used()
+    before, started = used(), time.time()
     yield
     record_property("cpu_s", round(used() - before, 1))
+    # when and where it ran: the workers' timelines (which lane waited, which ended last)
+    record_property("started", round(started, 1))
+    record_property("worker", os.environ.get("PYTEST_XDIST_WORKER", "-"))
 
 
 @pytest.fixture(autouse=True)

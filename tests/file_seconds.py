@@ -11,7 +11,8 @@ a time: tests/lanes.py). Refresh it after tests move between files:
 
     python -m pytest --junitxml=/tmp/junit.xml && python tests/file_seconds.py /tmp/junit.xml
 
-and `python tests/file_seconds.py --cpu /tmp/junit.xml` lists the tests by the CPU they took.
+and `python tests/file_seconds.py --cpu /tmp/junit.xml` lists the tests by the CPU they took, `--lanes` each
+worker's span.
 """
 
 from __future__ import annotations
@@ -59,8 +60,25 @@ def cpu_by_test(path: Path) -> list[tuple[float, float, str]]:
     return sorted(rows, reverse=True)
 
 
+def lanes(path: Path) -> dict[str, tuple[float, float, float, float]]:
+    """Each pytest-xdist worker's (first start, last end, seconds in tests, CPU in tests), the run's first start as 0
+    (tests/conftest.py _cpu_seconds records `started` and `worker`): which lane ended last, and when."""
+    rows: dict[str, list] = {}
+    for case in ElementTree.parse(path).iter("testcase"):
+        found = {p.get("name"): p.get("value") for p in case.iter("property")}
+        if "started" in found:
+            rows.setdefault(found["worker"], []).append(
+                (float(found["started"]), float(case.get("time", 0)), float(found.get("cpu_s", 0))))
+    origin = min((row[0] for worker in rows.values() for row in worker), default=0.0)
+    return {worker: (min(r[0] for r in runs) - origin, max(r[0] + r[1] for r in runs) - origin,
+                     sum(r[1] for r in runs), sum(r[2] for r in runs)) for worker, runs in sorted(rows.items())}
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "--cpu":  # what to make cheaper: the tests that take the most CPU
+    if sys.argv[1] == "--lanes":  # each worker's span: the run ends when its last lane does
+        for worker, (first, last, seconds, cpu) in lanes(Path(sys.argv[2])).items():
+            print(f"{worker}: {first:6.0f} s to {last:6.0f} s, {seconds:6.0f} s in tests, {cpu:6.0f} s of their CPU")
+    elif sys.argv[1] == "--cpu":  # what to make cheaper: the tests that take the most CPU
         rows = cpu_by_test(Path(sys.argv[2]))
         print(f"{sum(r[0] for r in rows):.0f} s of CPU, {sum(r[1] for r in rows):.0f} s of test time")
         for cpu, wall, test in rows[:40]:
