@@ -113,6 +113,29 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         (busy0, all0), (busy1, all1) = config.stash[SESSION_CPU], cpu_times()
         terminalreporter.write_line(f"the machine's cores were busy {100 * (busy1 - busy0) / max(all1 - all0, 1e-9):.0f}% "
                                     f"of this session ({busy1 - busy0:.0f} s of CPU, {os.cpu_count()} cores)")
+        outside = cpu_outside_the_tests()
+        if outside:
+            terminalreporter.write_line("CPU of the test clusters since they started (their jobs' processes "
+                                        "included): " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in outside))
+
+
+def cpu_outside_the_tests() -> list[tuple[str, float]]:
+    """The CPU of the Ray and SLURM test clusters' processes alive now (their daemons, and through them the jobs
+    they ran and reaped), pytest's own excluded: what the tests' own `cpu_s` cannot see."""
+    ours, hz, found = {os.getpid(), *descendants(os.getpid())}, os.sysconf("SC_CLK_TCK"), {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in ours:
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+        kind = "Ray" if "ray" in command or name in ("raylet", "gcs_server") else "SLURM" if "slurm" in name else None
+        if kind:
+            found[kind] = found.get(kind, 0.0) + sum(int(x) for x in fields[11:15]) / hz  # utime stime cutime cstime
+    return sorted(found.items(), key=lambda item: -item[1])
 
 
 def pytest_collection_modifyitems(items):
@@ -371,9 +394,20 @@ IDENTITY = [
 
 
 def _reference_run(tmp_path_factory, name: str, *overrides: str) -> Path:
-    tmp = tmp_path_factory.mktemp(name)
-    proc = run_cli("launcher", *IDENTITY, *overrides, f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
-    assert proc.returncode == 0
+    """The run directory of IDENTITY with `overrides`, run once per pytest run: the first worker to ask runs it, the
+    others wait for it and read the same directory (pytest-xdist's workers share their base directory's parent).
+    Several files on several workers compare with it, and each launch is seconds of CPU (tests/lanes.py). Read-only
+    for the tests."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    tmp = root / f"reference-{name}"
+    with shared_lock(f"reference-{name}", exclusive=True):
+        if not (tmp / "done").exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            proc = run_cli("launcher", *IDENTITY, *overrides, f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            (tmp / "done").touch()
     return tmp / "run"
 
 

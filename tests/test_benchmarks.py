@@ -1,5 +1,6 @@
 """Smoke runs of the benchmark scripts, so they keep working: tiny sizes, figures checked for consistency only
-(the figures themselves are benchmarks/README.md's business, never asserted)."""
+(the figures themselves are benchmarks/README.md's business, never asserted). One process where the script's
+figures do not depend on the world (each rank is an interpreter that imports torch: the suite's CPU)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from conftest import FAST, REPO, read_metrics, run_cli
 
 def test_overhead_benchmark_runs_both_loops_and_reports_their_ratio(tmp_path):
     out = tmp_path / "overhead.json"
-    proc = run_cli("benchmarks.overhead", "--smoke", "--regime", "mlp", "--out", str(out), cwd=REPO, timeout=600)
+    proc = run_cli("benchmarks.overhead", "--smoke", "--procs", "1", "--regime", "mlp", "--out", str(out), cwd=REPO, timeout=600)
     assert proc.returncode == 0
     report = json.loads(out.read_text())
     mlp = report["regimes"]["mlp"]
@@ -62,7 +63,7 @@ def test_scaling_report_sweeps_the_world_size_and_plots_it(tmp_path):
 
 def test_data_path_benchmark_measures_each_path_from_its_own_metrics(tmp_path):
     out = tmp_path / "data.json"
-    proc = run_cli("benchmarks.data_paths", "--smoke", "--workers", "0,2", "--out", str(out), cwd=REPO, timeout=600)
+    proc = run_cli("benchmarks.data_paths", "--smoke", "--procs", "1", "--workers", "0,2", "--out", str(out), cwd=REPO, timeout=600)
     assert proc.returncode == 0
     report = json.loads(out.read_text())
     assert set(report["image_folder"]) == {"0", "2"}
@@ -74,7 +75,7 @@ def test_data_path_benchmark_measures_each_path_from_its_own_metrics(tmp_path):
 
 def test_gpt_benchmark_runs_both_loops_and_plots_a_loss_curve(tmp_path):
     out = tmp_path / "gpt.json"
-    proc = run_cli("benchmarks.gpt_tokens", "--smoke", "--out", str(out), cwd=REPO, timeout=600)
+    proc = run_cli("benchmarks.gpt_tokens", "--smoke", "--procs", "1", "--out", str(out), cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["ours"][0] > 0 and report["raw"][0] > 0

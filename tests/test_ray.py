@@ -139,10 +139,13 @@ def test_a_ray_job_holds_its_directory_and_a_cancel_stops_it_with_a_checkpoint(c
 def test_replica_groups_one_per_node_a_killed_one_restarts_on_its_node_and_heals(cluster, tmp_path):
     """trainer.fault_tolerance=replicas through Ray: each node's actor runs its group under an agent, the first node
     the Lighthouse. Group 1 is killed at step 10, restarted on its node alone (not the whole job) and heals from
-    group 0; the job succeeds with both groups' weights identical."""
+    group 0; the job succeeds with both groups' weights identical. Group 0 holds its quorum of step 40 until group 1
+    is about to ask for its first (tests/faults: HEAL_MARKER): under load a restart took longer than group 0's
+    remaining steps, and group 1 found the run ended ("nothing left to do") instead of healing."""
     run_dir = tmp_path / "run"
     kill = [f"+launcher.env.PYTHONPATH={FAULTS_DIR}", "+launcher.env.FAULT=kill", "+launcher.env.FAULT_GROUP=1",
-            "+launcher.env.FAULT_RANK=0", "+launcher.env.FAULT_STEP=10", "+launcher.env.STEP_DELAY_MS=100"]
+            "+launcher.env.FAULT_RANK=0", "+launcher.env.FAULT_STEP=10", "+launcher.env.STEP_DELAY_MS=100",
+            f"+launcher.env.HEAL_MARKER={tmp_path / 'group-1-back'}", "+launcher.env.HEAL_BEFORE_STEP=40"]
     proc = launch(tmp_path, *JOB, *kill, "trainer.fault_tolerance=replicas", "launcher.max_restarts=1",
                   "trainer.epochs=4", "trainer.max_steps=64", "launcher.wait=true", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr
