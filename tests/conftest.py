@@ -145,19 +145,33 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: order[item.nodeid])
 
 
-@pytest.fixture(autouse=True)
-def _cpu_seconds(record_property):
-    """The CPU a test took, its own process's and that of the processes it started and waited for (launchers and,
-    through them, their ranks; not what a Ray or SLURM daemon runs for it), as the junit property `cpu_s`. The suite
-    is CPU-bound on 2 cores (wall ~ the tests' seconds / 3 workers), so what to make cheaper is read here, not from
-    the durations, which include waits: `python tests/file_seconds.py --cpu junit.xml`."""
+def cpu_used() -> float:
+    """This process's CPU and that of its children it waited for (and theirs), in seconds."""
     import resource
 
-    def used() -> float:
-        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
-    before, started = used(), time.time()
+
+SETUP_CPU = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the test's fixtures: the module and session fixtures it is the first to ask for (reference runs,
+    servers) count in its `cpu_s`, not in nobody's."""
+    item.stash[SETUP_CPU] = cpu_used()
+
+
+@pytest.fixture(autouse=True)
+def _cpu_seconds(request, record_property):
+    """The CPU a test took, its own process's and that of the processes it started and waited for (launchers and,
+    through them, their ranks; not what a Ray or SLURM daemon runs for it), with its fixtures' setup, as the junit
+    property `cpu_s`. The suite is CPU-bound on 2 cores (wall ~ the tests' seconds / 3 workers), so what to make
+    cheaper is read here, not from the durations, which include waits: `python tests/file_seconds.py --cpu
+    junit.xml`."""
+    used = cpu_used
+    before, started = request.node.stash.get(SETUP_CPU, used()), time.time()
     yield
     record_property("cpu_s", round(used() - before, 1))
     # when and where it ran: the workers' timelines (which lane waited, which ended last)
