@@ -170,10 +170,9 @@ def _cpu_seconds(request, record_property):
     property `cpu_s`. The suite is CPU-bound on 2 cores (wall ~ the tests' seconds / 3 workers), so what to make
     cheaper is read here, not from the durations, which include waits: `python tests/file_seconds.py --cpu
     junit.xml`."""
-    used = cpu_used
-    before, started = request.node.stash.get(SETUP_CPU, used()), time.time()
+    before, started = request.node.stash.get(SETUP_CPU, cpu_used()), time.time()
     yield
-    record_property("cpu_s", round(used() - before, 1))
+    record_property("cpu_s", round(cpu_used() - before, 1))
     # when and where it ran: the workers' timelines (which lane waited, which ended last)
     record_property("started", round(started, 1))
     record_property("worker", os.environ.get("PYTEST_XDIST_WORKER", "-"))
