@@ -19,7 +19,7 @@ import torch
 
 from train import dist as distributed
 from train.checkpoint import BEST, BEST_DIR
-from train.checkpoint.run_state import resume, write_checkpoint
+from train.checkpoint.run_state import restore_position, resume, write_checkpoint
 from train.data.build import build_eval_batches
 from train.evaluate import evaluate
 from train.fault_tolerance import Alone, ReplicaGroups, replica_group
@@ -130,8 +130,7 @@ def take_newer_checkpoint(run: Run) -> int | None:
         return None
     for field in dataclasses.fields(progress):  # in place: the heal's state_dict reads this object (train.run)
         setattr(run.progress, field.name, getattr(progress, field.name))
-    if state["world_size"] == run.plan.world_size and state["global_batch"] == run.plan.global_batch:
-        run.batches.load_state_dict((ckpt.rank_state(state, run.env.rank) or {}).get("data"))
+    restore_position(run.batches, ckpt, state, run.plan, run.env.rank)
     return started_at
 
 

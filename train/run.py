@@ -19,7 +19,7 @@ from train import dist as distributed
 from train.build import (add_import_path, batch_statistics_note, build_task_and_model, router_loss_note,
                          share_compile_workers)
 from train.checkpoint import CheckpointManager, checkpoint_dir
-from train.checkpoint.run_state import resume
+from train.checkpoint.run_state import restore_position, resume
 from train.checkpoint.state import Progress, seed_rank
 from train.config import TrainConfig, checkpoint_format, load_config
 from train.data.build import build_train_source
@@ -146,8 +146,8 @@ def build(cfg: TrainConfig, run_dir: Path, env: DistEnv, device: torch.device, c
     batches = build_train_source(cfg.data, data.train, where.replica, plan.replicas, cfg.trainer.seed,
                                  plan.steps_per_epoch * plan.accumulate, device, fmt,
                                  replicas(cfg, plan.reference_world or plan.world_size), cfg.trainer.accumulate)
-    if state is not None and state["world_size"] == plan.world_size and state["global_batch"] == plan.global_batch:
-        batches.load_state_dict((ckpt.rank_state(state, env.rank) or {}).get("data"))
+    if state is not None:
+        restore_position(batches, ckpt, state, plan, env.rank)
     replica_groups = build_replicas(cfg.trainer, *peer_state(strategy, optimizer, scheduler, scaler, progress),
                                     timeout_s=cfg.trainer.timeout_s, world_size=env.world_size)
     return Run(

@@ -90,13 +90,15 @@ class CheckpointManager:
 
     def _newest_commit(self) -> int:
         """The highest commit number on the disk and in the store: a new commit is numbered above both."""
-        stored = self.mirror.committed() if self.mirror is not None else []
-        return max((c.commit for c in [*self.committed(), *stored]), default=LEGACY)
+        return max((c.commit for c in self._everywhere()), default=LEGACY)
 
     def newest_step(self) -> int:
         """The highest step committed on the disk or in the store (-1: none)."""
-        stored = self.mirror.committed() if self.mirror is not None else []
-        return max((c.step for c in [*self.committed(), *stored]), default=-1)
+        return max((c.step for c in self._everywhere()), default=-1)
+
+    def _everywhere(self) -> list:
+        """The commits of the disk and of the store."""
+        return [*self.committed(), *(self.mirror.committed() if self.mirror is not None else [])]
 
     @contextlib.contextmanager
     def waiting(self, what: str):

@@ -50,6 +50,13 @@ def resume(ckpt: CheckpointManager, cfg, env: DistEnv, strategy, optimizer, sche
     return progress, state
 
 
+def restore_position(batches, ckpt: CheckpointManager, state: dict, plan, rank: int) -> None:
+    """The data position of `state` for this rank's batches, where the world and global batch are the checkpoint's
+    (elsewhere the batches map the step to samples themselves)."""
+    if state["world_size"] == plan.world_size and state["global_batch"] == plan.global_batch:
+        batches.load_state_dict((ckpt.rank_state(state, rank) or {}).get("data"))
+
+
 def write_checkpoint(ckpt: CheckpointManager, *, strategy, optimizer, scheduler, scaler, progress: Progress, plan,
                      batches, cfg, device: torch.device, is_best: bool = False, metrics=None) -> None:
     """This rank's part of the checkpoint of step `progress.step` (train.loop.save_checkpoint decides whether this
