@@ -17,9 +17,10 @@ import sys  # noqa: E402
 
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
+from train.contract import NONFINITE_EXIT_CODE  # noqa: E402
 from train.dist import exit_without_finalizing  # noqa: E402
+from train.finite import NonFiniteLoss  # noqa: E402
 from train.host import die_with_parent, name_process, rank_process_name  # noqa: E402
-from train.finite import NONFINITE_EXIT_CODE, NonFiniteLoss  # noqa: E402
 from train.run import main  # noqa: E402
 from train.writer import RunDirHeld  # noqa: E402
 

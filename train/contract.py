@@ -29,6 +29,10 @@ TRACKERS_ENV = "LAUNCHER_TRACKERS"  # "1": ddp_loop.report() feeds the run's tra
 HANG_ENV = "LAUNCHER_HANG_TIMEOUT_S"  # trainer.hang_timeout_s, for ddp_loop's hang watch (0: none)
 ON_HANG_ENV = "LAUNCHER_ON_HANG"  # program.on_hang: auto | report | end
 
+# --- a rank's exit code the launcher reads ---------------------------------------------------------------------------
+NONFINITE_EXIT_CODE = 65  # EX_DATAERR: a loss not finite (train/finite.py), not a crash to restart from (it would
+# come back at the same step); the launch ends with it too (docs/watching.md)
+
 # --- the run directory: written by one side, read by the other ----------------------------------------------------
 CONFIG_FILE = "config.yaml"  # the resolved snapshot the ranks build from (launcher writes, ranks read)
 STATUS_FILE = "status.json"  # running, finished, failed (with the first error), stopped (ranks and launcher write)

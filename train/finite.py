@@ -18,7 +18,8 @@ import math
 import torch
 import torch.distributed as dist
 
-NONFINITE_EXIT_CODE = 65  # EX_DATAERR: not a crash to restart from (it would come back at the same step)
+from train.contract import NONFINITE_EXIT_CODE  # noqa: F401 (the exit code of a rank that raised NonFiniteLoss)
+
 POLICIES = ("stop", "skip")
 
 

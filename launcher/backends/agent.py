@@ -48,9 +48,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
 
-from train.contract import ATTEMPT_ENV, MEETING_STORE_ENV
+from train.contract import ATTEMPT_ENV, MEETING_STORE_ENV, NONFINITE_EXIT_CODE
 from train.fault_tolerance import REPLICA_GROUP_ENV
-from train.finite import NONFINITE_EXIT_CODE
 from train.observe.status import stopped_since, write_status
 from train.observe.watchdog import HANG_EXIT_CODE
 
