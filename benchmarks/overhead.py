@@ -114,10 +114,9 @@ def raw(regime: Regime, procs: int, snapshot: Path, steps: int, warmup: int) -> 
 
 
 def bench(name: str, regime: Regime, procs: int, reps: int, scratch: Path, extra: list[str]) -> dict[str, Figures]:
-    snapshot_dir = scratch / f"{name}-snapshot"
-    run([sys.executable, "-m", "launcher", *regime.overrides, *common_overrides(procs), *extra, "launcher.dry_run=true",
-         f"hydra.run.dir={snapshot_dir}"], cwd=scratch)
-    snapshot = snapshot_dir / "config.yaml"
+    # The hand-written loop reads the resolved config our first run wrote (its snapshot): the same model, data and
+    # optimizer, without a launch of its own to write one (rep 0 runs ours first).
+    snapshot = scratch / f"{name}-ours-0" / "config.yaml"
     figures = {"ours": Figures(), "raw": Figures()}
     for rep in range(reps):
         order = ("ours", "raw") if rep % 2 == 0 else ("raw", "ours")

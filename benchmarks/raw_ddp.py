@@ -31,7 +31,7 @@ from train.dist import exit_without_finalizing
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="a resolved RUN_DIR/config.yaml (launcher.dry_run=true writes one)")
+    parser.add_argument("config", help="a resolved RUN_DIR/config.yaml (every launch writes one)")
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps in all")
     parser.add_argument("--warmup", type=int, default=1, help="steps before the timed interval (at least 1)")
     args = parser.parse_args()
