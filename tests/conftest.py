@@ -21,6 +21,7 @@ import pytest
 
 from train.host import descendants  # noqa: F401  (the tests' name for it)
 import torch
+from ci_clusters import cluster_started, ray_test_done, ray_tests  # noqa: F401 (cluster_started: the tests' name)
 from file_seconds import longest_first, measured
 
 REPO = Path(__file__).resolve().parent.parent
@@ -139,10 +140,25 @@ def cpu_outside_the_tests() -> list[tuple[str, float]]:
 
 
 def pytest_collection_modifyitems(items):
-    """pytest-xdist hands out the files in this order (`--no-loadscope-reorder`): the longest first, so that the
-    workers end together (tests/file_seconds.py, tests/lanes.py)."""
+    """pytest-xdist hands out the files in this order (`--no-loadscope-reorder`): the files of tests that use the Ray
+    test cluster first, which stops after them (tests/ci_clusters.py), then the longest first, so that the workers
+    end together (tests/file_seconds.py, tests/lanes.py)."""
     order = {nodeid: i for i, nodeid in enumerate(longest_first([item.nodeid for item in items], measured()))}
-    items.sort(key=lambda item: order[item.nodeid])
+    on_ray = {nodeid.split("::", 1)[0] for nodeid in ray_tests(items)}
+    items.sort(key=lambda item: (item.nodeid.split("::", 1)[0] not in on_ray, order[item.nodeid]))
+
+
+RAY_TESTS = pytest.StashKey[set]()
+
+
+def pytest_collection_finish(session):
+    session.config.stash[RAY_TESTS] = ray_tests(session.items)  # after any deselection (-k, -m): what will run
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # its fixtures' finalizers first (test_ray.py's module fixture releases the cluster there)
+    ray_test_done(item.nodeid, item.config.stash.get(RAY_TESTS, set()))
 
 
 def cpu_used() -> float:
@@ -193,19 +209,6 @@ def _alone_if_timed(request):
         return
     with shared_lock("alone", exclusive=alone):
         yield
-
-
-def cluster_started(name: str) -> None:
-    """Where .ci/run still starts test cluster `name` in the background (beside the install: CI_CLUSTERS names the
-    folder of each start's log and exit status), wait for that start to end; fail, with its log, if it failed."""
-    folder = os.environ.get("CI_CLUSTERS")
-    if not folder:
-        return
-    status, log = Path(folder) / f"{name}.status", Path(folder) / f"{name}.log"
-    wait_for(status.exists, timeout=900, what=f"the {name} test cluster's start ({log})", poll=1)
-    if status.read_text().strip() != "0":
-        tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
-        pytest.fail(f"the {name} test cluster did not start (exit {status.read_text().strip()}; {log}):\n{tail}")
 
 
 def rank_processes():

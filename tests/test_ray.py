@@ -18,6 +18,8 @@ import torch
 from conftest import CREDENTIALS, FAULTS_DIR, IDENTITY, REPO, cluster_started, final_checkpoint, logged_steps, run_cli, shared_lock
 from conftest import wait_for
 
+pytestmark = pytest.mark.ray_cluster  # CI stops the cluster after the last such test (tests/ci_clusters.py)
+
 ADDRESS = os.environ.get("RAY_ADDRESS", "http://127.0.0.2:8265")
 # IDENTITY (tests/conftest.py) on 2 nodes x 1 process, batch 16 each: the world of the `two_process_ddp` reference.
 JOB = [*IDENTITY, "launcher=ray", f"launcher.address={ADDRESS}", "trainer.nodes=2", "trainer.procs_per_node=1",

@@ -169,6 +169,31 @@ def test_ci_waits_for_a_cluster_still_starting_and_names_the_log_of_one_that_fai
     cluster_started("slurm")  # outside CI: nothing to wait for (the fixture then asks the cluster itself)
 
 
+def test_ci_stops_the_ray_cluster_once_every_test_marked_for_it_has_run(tmp_path, monkeypatch):
+    """Idle, the Ray test cluster's daemons took ~4 s of CPU a minute to the end of the suite (tests/ci_clusters.py):
+    CI stops it after the last test marked ray_cluster, on whichever worker that ran, once; a test that asks for it
+    later fails naming the mark."""
+    import ci_clusters
+
+    stops = tmp_path / "stops"
+    monkeypatch.setattr(ci_clusters, "STOP_RAY", ["sh", "-c", f"echo stop >> {stops}"])
+    monkeypatch.setenv("CI_CLUSTERS", str(tmp_path))
+    (tmp_path / "ray.status").write_text("0\n")
+    marked = {"tests/test_ray.py::test_a", "tests/conformance/test_matrix.py::test_cell[ray-ddp-fail]"}
+    ci_clusters.ray_test_done("tests/test_x.py::test_unmarked", marked)
+    ci_clusters.ray_test_done("tests/test_ray.py::test_a", marked)
+    ci_clusters.cluster_started("ray")  # one marked test left: the cluster stays
+    assert not stops.exists()
+    ci_clusters.ray_test_done("tests/conformance/test_matrix.py::test_cell[ray-ddp-fail]", marked)
+    ci_clusters.ray_test_done("tests/conformance/test_matrix.py::test_cell[ray-ddp-fail]", marked)  # another worker's
+    assert stops.read_text() == "stop\n"
+    with pytest.raises(pytest.fail.Exception, match=r"stopped after the last test marked @pytest.mark.ray_cluster"):
+        ci_clusters.cluster_started("ray")
+    monkeypatch.delenv("CI_CLUSTERS")
+    ci_clusters.ray_test_done("tests/test_ray.py::test_a", marked)  # outside CI: a cluster started by hand stays
+    assert stops.read_text() == "stop\n"
+
+
 @pytest.mark.alone
 def test_an_alone_test_and_what_it_starts_run_prioritized_where_the_process_may_raise_its_priority():
     """As root (CI) an `alone` test runs at nice -10 beside the other test (tests/conftest.py _alone_if_timed),

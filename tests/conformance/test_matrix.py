@@ -451,7 +451,7 @@ def cell_marks(cell):
         return pytest.mark.skip(reason=f"n/a: {not_applicable(*cell)}")
     if cell not in CI_CELLS and os.environ.get("MATRIX") != "all":
         return pytest.mark.skip(reason="the whole matrix: MATRIX=all")
-    return []
+    return [pytest.mark.ray_cluster] if backend == "ray" else []  # CI stops it after the last (tests/ci_clusters.py)
 
 
 # ------------------------------------------------------------------ references: the uninterrupted run of each mode
