@@ -51,7 +51,7 @@ def from_junit(path: Path) -> dict[str, float]:
 
 
 def cpu_by_test(path: Path) -> list[tuple[float, float, str]]:
-    """(CPU seconds, wall seconds, test id) of each test of a junit report, the most CPU first (tests/conftest.py
+    """(CPU seconds, wall seconds, test id) of each test of a junit report, the most CPU first (tests/cpu_accounting.py
     _cpu_seconds records the CPU)."""
     rows = []
     for case in ElementTree.parse(path).iter("testcase"):
@@ -62,7 +62,7 @@ def cpu_by_test(path: Path) -> list[tuple[float, float, str]]:
 
 def lanes(path: Path) -> dict[str, tuple[float, float, float, float]]:
     """Each pytest-xdist worker's (first start, last end, seconds in tests, CPU in tests), the run's first start as 0
-    (tests/conftest.py _cpu_seconds records `started` and `worker`): which lane ended last, and when."""
+    (tests/cpu_accounting.py _cpu_seconds records `started` and `worker`): which lane ended last, and when."""
     rows: dict[str, list] = {}
     for case in ElementTree.parse(path).iter("testcase"):
         found = {p.get("name"): p.get("value") for p in case.iter("property")}
