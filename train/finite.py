@@ -4,8 +4,9 @@ Each step's loss is compared on the device (no host sync per step): the first st
 finite is kept in a device tensor. Before any checkpoint is written, at every log step and at the end, the ranks
 agree on the earliest such step (one all-reduce) and, if there is one, every rank raises `NonFiniteLoss` naming the
 step and the rank where it appeared first: the newest checkpoint stays the last good one, and the launcher does not
-restart into the same failure (NONFINITE_EXIT_CODE). Under DDP a NaN in one rank's loss reaches every rank's
-weights through the gradient all-reduce, so "first" is the rank whose data or computation produced it.
+restart into the same failure (the rank's exit code, train.contract NONFINITE_EXIT_CODE). Under DDP a NaN in one
+rank's loss reaches every rank's weights through the gradient all-reduce, so "first" is the rank whose data or
+computation produced it.
 
 `trainer.nonfinite=skip` drops such steps instead (the optimizer does not step, the batch is consumed, the count is
 logged as train/skipped_steps): it costs one tiny all-reduce and a host sync per step, to agree on skipping.
@@ -17,8 +18,6 @@ import math
 
 import torch
 import torch.distributed as dist
-
-from train.contract import NONFINITE_EXIT_CODE  # noqa: F401 (the exit code of a rank that raised NonFiniteLoss)
 
 POLICIES = ("stop", "skip")
 
