@@ -314,6 +314,41 @@ def test_a_node_whose_groups_all_failed_before_any_sign_of_life_stops_waiting_fo
     assert not waiting.is_alive()
 
 
+def test_a_node_whose_groups_failed_stops_waiting_once_the_other_nodes_ended(tmp_path):
+    """Two nodes' meeting places (the first hosts the Lighthouse and the store). A script's groups write no status:
+    the first node's group finished and its launcher waited for the second node to end (its Lighthouse serves until
+    then), while the second, its group failed for good, waited for the first node's groups by their sign of life,
+    RUN_DIR/.alive, fresh from a moment ago: both held the SLURM job until the quiet time (trainer.hang_timeout_s)
+    ran out (seen: a job RUNNING past its test's 180 s). It ends once the other nodes' launchers have ended."""
+    import threading
+    from types import SimpleNamespace
+
+    from conftest import free_port
+    from launcher.backends.lighthouse import meeting_place
+    from launcher.backends.local import others_finish
+
+    cfg = SimpleNamespace(trainer=SimpleNamespace(nodes=2, min_replicas=1),
+                          launcher=SimpleNamespace(rdzv_endpoint=f"127.0.0.1:{free_port('127.0.0.1')}", rdzv_timeout_s=60))
+    (tmp_path / ".alive").touch()
+    first_in, first_ended = threading.Event(), threading.Event()
+
+    def first_node():
+        with meeting_place(cfg, first=True, place=0):
+            first_in.set()  # its groups finished at once; leaving, it waits for the second node to end
+        first_ended.set()
+
+    threading.Thread(target=first_node, daemon=True).start()
+    assert first_in.wait(30)
+    waited = []
+    with meeting_place(cfg, first=False, place=1) as meeting:
+        second = threading.Thread(target=lambda: waited.append(others_finish(tmp_path, 600, meeting.others_ended)),
+                                  daemon=True)
+        second.start()
+        second.join(timeout=30)
+        assert waited, "the second node still waits for a first node that has ended"
+    assert first_ended.wait(30)  # and the first node's wait ends with the second's
+
+
 def test_ranks_that_fail_alike_print_one_traceback_and_a_line_each(tmp_path):
     project = tmp_path / "project"
     project.mkdir()

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,6 +33,7 @@ class Meeting:
     node: int  # this node's place among the run's nodes (0: the first, which hosts the meeting)
     lighthouse: str  # the Lighthouse's address, for every group's Manager
     store: str  # HOST:PORT of the store where the groups count themselves in
+    others_ended: Callable[[], bool]  # whether every other node's launcher has ended (its groups with it)
 
 
 @contextlib.contextmanager
@@ -46,7 +47,7 @@ def meeting_place(cfg: Config, first: bool | None = None, place: int | None = No
         lighthouse, address = start_lighthouse(cfg, "127.0.0.1")
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         try:
-            yield Meeting(0, address, f"127.0.0.1:{store.port}")
+            yield Meeting(0, address, f"127.0.0.1:{store.port}", lambda: True)
         finally:
             lighthouse.kill()
         return
@@ -65,7 +66,8 @@ def meeting_place(cfg: Config, first: bool | None = None, place: int | None = No
         store.set("lighthouse", address)
     try:
         node = 0 if first else place if place is not None else take_place(store, cfg.trainer.nodes)
-        yield Meeting(node, store.get("lighthouse").decode(), f"{host}:{port}")
+        yield Meeting(node, store.get("lighthouse").decode(), f"{host}:{port}",
+                      lambda: store.add("nodes ended", 0) >= cfg.trainer.nodes - 1)
     finally:
         store.add("nodes ended", 1)
         if lighthouse is not None:

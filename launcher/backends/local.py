@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -340,12 +341,14 @@ def stopped_elsewhere(run_dir: Path, started: float) -> int:
     return 128 + sig.value
 
 
-def others_finish(run_dir: Path, quiet_s: float) -> None:
+def others_finish(run_dir: Path, quiet_s: float, others_ended: Callable[[], bool] = lambda: False) -> None:
     """Wait while the other nodes' replica groups still train (a group's rank 0 marked RUN_DIR/.alive within
     `quiet_s`: every group's, not metrics.jsonl, which group 0 alone writes), until the run is finished or stopped
-    (status.json; "failed" may be this node's own groups' word)."""
+    (status.json; "failed" may be this node's own groups' word), or every other node's launcher has ended: a script's
+    groups write no status, and the first node, its groups done, waits for this one to end (its Lighthouse serves
+    until then); waiting on here would hold both nodes until this wait's quiet time ran out."""
     alive, since = run_dir / ALIVE_FILE, time.time()
-    while read_status(run_dir).get("status") not in ("finished", "stopped"):
+    while read_status(run_dir).get("status") not in ("finished", "stopped") and not others_ended():
         last = since  # no sign of life yet (every group failed before its first log step): counted from here
         with contextlib.suppress(OSError):
             last = max(since, alive.stat().st_mtime)
@@ -385,7 +388,7 @@ def launch_replica_groups(cfg: Config, snapshot: Path, first: bool | None = None
                 # Ending now would end the job (SLURM's, Ray's) that the other nodes' groups are about to finish
                 print(f"replica group(s) {failed} failed for good; waiting for the other nodes' groups to finish the "
                       f"run", file=sys.stderr, flush=True)
-                others_finish(snapshot.parent, cfg.trainer.hang_timeout_s or 300)
+                others_finish(snapshot.parent, cfg.trainer.hang_timeout_s or 300, meeting.others_ended)
             if failed and read_status(snapshot.parent).get("status") == "finished":
                 print(f"warning: replica group(s) {failed} failed for good; the others finished the run", file=sys.stderr)
                 return 0
