@@ -20,6 +20,11 @@ Printed as JSON, a line per rank asked for (one process builds them in turn), fo
 
 from __future__ import annotations
 
+import gc
+
+if __name__ == "__main__":  # a process of its own (the launcher's dry run): train.host.untracked_imports says why
+    gc.disable()
+
 import argparse
 import json
 import os
@@ -248,5 +253,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    gc.freeze()  # what the imports made (the collector was off for them, above)
+    gc.enable()
     main()
     os._exit(0)  # nothing to finalize: a fake group holds no threads worth waiting for

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from launcher.backends.local import Local
 from launcher.schema import Config
 from train.dist import exit_without_finalizing
-from train.host import die_with_parent
+from train.host import die_with_parent, untracked_imports
 
 
 def main(snapshot: str, endpoint: str) -> int:
@@ -29,4 +29,6 @@ def main(snapshot: str, endpoint: str) -> int:
 
 
 if __name__ == "__main__":
+    with untracked_imports():  # torch's elastic agent, imported by its start
+        import torch.distributed.launcher.api  # noqa: F401
     exit_without_finalizing(main(*sys.argv[1:3]))  # as `python -m launcher` ends (launcher/__main__.py says why)

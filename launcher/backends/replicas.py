@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from launcher.backends.local import launch_config, run_workers, with_newer_fields
 from launcher.schema import Config
 from train.dist import exit_without_finalizing
-from train.host import die_with_parent
+from train.host import die_with_parent, untracked_imports
 from train.parallel.layout import procs_per_node
 
 
@@ -55,4 +55,6 @@ def group_main(snapshot: str, group: int) -> int:
 
 
 if __name__ == "__main__":
+    with untracked_imports():  # torch's elastic agent, imported by its start
+        import torch.distributed.launcher.api  # noqa: F401
     exit_without_finalizing(group_main(sys.argv[1], int(sys.argv[2])))  # as `python -m launcher` ends (its __main__ says why)

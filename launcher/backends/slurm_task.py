@@ -13,9 +13,12 @@ import traceback
 from submitit.core.submission import process_job
 
 from train.dist import exit_without_finalizing
+from train.host import untracked_imports
 
 
 def main(argv: list[str]) -> None:
+    with untracked_imports():  # what unpickling the task imports anyway
+        import torch  # noqa: F401
     try:
         process_job(argv[-1])
     except SystemExit as stop:  # submitit's own exit after it requeued a preempted job: its code stands
