@@ -150,8 +150,8 @@ def test_the_collector_is_off_only_while_a_process_imports():
 
 def test_our_other_processes_import_torch_out_of_the_collectors_sight_and_collect_after():
     """An export, an agent of a replica group or of a Ray node, a SLURM task, a forecast: each imports torch after its
-    start; with the collector on, torch's import set off collections over all it made so far (~0.2 s of CPU per
-    process, 0.4 s more with transformers; train.host.untracked_imports)."""
+    start; with the collector on, torch's import set off collections over all it made so far (0.1-0.25 s of CPU per
+    process; train.host.untracked_imports)."""
     import subprocess
     import sys
 

@@ -23,8 +23,8 @@ MMAP_ABOVE_BYTES = 32 << 20  # glibc's largest threshold: blocks above it are ma
 def untracked_imports():
     """Imports made inside, with the cyclic collector off, then frozen with everything else alive: for a process of
     ours whose entry imports torch after the interpreter started (an agent, an export, a forecast). With the collector
-    on, torch's import set off collections that traversed all it made so far: ~0.2 s of CPU per process (0.4 s more
-    with transformers). What the process makes later is collected as before."""
+    on, torch's import set off collections that traversed all it made so far: 0.1-0.25 s of CPU per process. What
+    the process makes later is collected as before."""
     gc.disable()
     try:
         yield
