@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, final_checkpoint, read_metrics, run_cli, signalled_launch
+from conftest import REPO, final_checkpoint, read_metrics, run_cli, run_commands, signalled_launch
 
 EXAMPLE = REPO / "examples" / "diabetes"
 # Deterministic runs for the identities: no augmentation noise, no loader workers (they are tested below).
@@ -150,19 +150,31 @@ def test_stream_evaluation_is_exact_at_world_size_3_under_fsdp(tmp_path):
     assert results[3]["loss"] == pytest.approx(results[1]["loss"], rel=1e-6)
 
 
-@pytest.mark.parametrize("override,message", [
+BAD_TARGETS = [
     ("+model.widht=16", "model.widht: models.ResidualMLP has no argument 'widht' (did you mean model.width?)"),
     ("~model.in_features", "model: models.ResidualMLP needs 'in_features', which the config does not give: add model.in_features=..."),
     ("task._target_=losses.Hubber", "task._target_=losses.Hubber cannot be imported: losses has no 'Hubber'; did you mean Huber?"),
     ("data.train._target_=datasets.Files", "data.train._target_=datasets.Files cannot be imported: no module 'datasets'"),
     ("+optim.schedule.finl=0.2", "optim.schedule.finl: schedules.linear_decay has no argument 'finl' (did you mean optim.schedule.final?)"),
     ("optim.schedule.final=2", "optim.schedule: optim.schedule.final=2 must lie in [0, 1] (a fraction of the peak lr)."),
-])
-def test_a_bad_user_target_is_refused_before_any_worker_starts(project, tmp_path, override, message):
-    proc = launch_in(project, *PLAIN, override, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
-    assert proc.returncode == 2
-    assert message in proc.stderr
-    assert "plan:" not in proc.stdout  # no worker ran
+]
+
+
+@pytest.fixture(scope="module")
+def bad_targets(project):
+    """Each launch of BAD_TARGETS in the project, run in one process (tests/conformance/commands.py): {override:
+    result}. A refusal costs its composition and checks, not a Python and torch start each."""
+    rows = [{"id": override, "args": [*PLAIN, override, f"hydra.run.dir=refused/{n}"]}
+            for n, (override, _) in enumerate(BAD_TARGETS)]
+    return run_commands(project, rows)
+
+
+@pytest.mark.parametrize("override,message", BAD_TARGETS)
+def test_a_bad_user_target_is_refused_before_any_worker_starts(bad_targets, override, message):
+    result = bad_targets[override]
+    assert result["code"] == 2 and not result["started"]
+    assert message in result["stderr"]
+    assert "plan:" not in result["stdout"]  # no worker ran
 
 
 def test_the_readmes_smallest_example_trains_as_written(tmp_path):

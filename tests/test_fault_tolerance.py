@@ -285,22 +285,6 @@ def test_a_closed_terminal_stops_every_group_with_its_checkpoint(tmp_path):
     assert json.loads((run_dir / "status.json").read_text())["status"] == "stopped"
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["trainer.strategy=fsdp", "trainer.tp=2"], "trainer.fault_tolerance=replicas with trainer.strategy=fsdp trainer.tp=2"),
-    (["trainer.strategy=pipeline"], "trainer.fault_tolerance=replicas with trainer.strategy=pipeline"),
-    (["trainer.replica_groups=1"], "trainer.replica_groups=1: fault tolerance needs at least 2 replica groups"),
-    (["trainer.procs_per_node=3"], "whose share per node divides the processes per node (3)"),
-    (["trainer.nodes=2", "trainer.replica_groups=3", "launcher.rdzv_endpoint=localhost:29400"],
-     "trainer.replica_groups=3 must be a multiple of trainer.nodes=2"),
-    (["trainer.min_replicas=3"], "trainer.min_replicas=3 must be between 1 and trainer.replica_groups=2"),
-    (["trainer.fault_tolerance=groups"], "trainer.fault_tolerance"),
-])
-def test_what_replica_groups_cannot_do_is_refused_before_start(tmp_path, launch, overrides, message):
-    proc = launch(*GROUPS, *overrides, f"hydra.run.dir={tmp_path / 'run'}")
-    assert proc.returncode == 2 and message in proc.stderr
-    assert "plan:" not in proc.stdout
-
-
 def test_a_replica_groups_gpus_are_taken_from_those_its_node_was_given():
     """launcher/backends/replicas.py overwrote CUDA_VISIBLE_DEVICES with 0..n-1: a Ray actor or a SLURM task given GPUs 4-7
     put its groups on GPUs 0-3, another job's."""

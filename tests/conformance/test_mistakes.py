@@ -54,6 +54,7 @@ FILES = {
     "conf/experiment/misaligned.yaml": "# @package _global_\ntrainer:\n  max_steps: 3\n   epochs: 2\n",
 }
 VECTOR_RUN = ["--config-dir", "conf", "+experiment=vectors"]
+REPLICAS = ["trainer.procs_per_node=2", "data.batch_size=16", "trainer.fault_tolerance=replicas"]
 
 # (id, the command's words after `python -m launcher`, phrases its error must hold; "!phrase": must not hold). Each row
 # runs with FAST before its words (so Hydra's options among them come after overrides, as users write them) and,
@@ -198,6 +199,21 @@ MISTAKES = [
     ("ray-address-that-is-not-a-url", ["launcher=ray", "launcher.address=nowhere"], ["launcher.address"]),
     ("replica-groups-of-a-world-of-one", ["trainer.fault_tolerance=replicas", "trainer.procs_per_node=1"],
      ["trainer.replica_groups=2 must be a multiple of trainer.nodes=1", "leave trainer.fault_tolerance out"]),
+    # what replica groups cannot do (tests/test_fault_tolerance.py trains them)
+    ("replica-groups-under-tensor-parallel", [*REPLICAS, "trainer.strategy=fsdp", "trainer.tp=2"],
+     ["trainer.fault_tolerance=replicas with trainer.strategy=fsdp trainer.tp=2"]),
+    ("replica-groups-of-pipelines", [*REPLICAS, "trainer.strategy=pipeline"],
+     ["trainer.fault_tolerance=replicas with trainer.strategy=pipeline"]),
+    ("one-replica-group", [*REPLICAS, "trainer.replica_groups=1"],
+     ["trainer.replica_groups=1: fault tolerance needs at least 2 replica groups"]),
+    ("replica-groups-that-split-no-node-evenly", [*REPLICAS, "trainer.procs_per_node=3"],
+     ["whose share per node divides the processes per node (3)"]),
+    ("replica-groups-split-over-nodes", [*REPLICAS, "trainer.nodes=2", "trainer.replica_groups=3",
+                                         "launcher.rdzv_endpoint=localhost:29400"],
+     ["trainer.replica_groups=3 must be a multiple of trainer.nodes=2"]),
+    ("more-replicas-required-than-groups", [*REPLICAS, "trainer.min_replicas=3"],
+     ["trainer.min_replicas=3 must be between 1 and trainer.replica_groups=2"]),
+    ("fault-tolerance-of-an-unknown-kind", [*REPLICAS, "trainer.fault_tolerance=groups"], ["trainer.fault_tolerance"]),
     # --- run directories and sweeps (issue 61) ---------------------------------------------------------------------
     ("run-dir-with-a-quoted-tilde", ["hydra.run.dir='~/runs/x'"],
      ["hydra.run.dir=~/runs/x: '~' is not expanded here", "a directory named '~' would be made"]),
