@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FAST, REPO, final_checkpoint, read_metrics, run_cli
+from conftest import FAST, REPO, final_checkpoint, read_metrics, run_cli, run_commands
 
 ZOO_DIR = REPO / "tests" / "foreign" / "zoo"
 sys.path.insert(0, str(ZOO_DIR))
@@ -178,11 +178,29 @@ def test_sync_batchnorm_makes_two_processes_train_as_one_under_ddp_and_fsdp(tmp_
                            torch.ones_like(one["resnet.embedder.embedder.normalization.running_var"]))  # it learned
 
 
-def test_a_model_with_a_scalar_parameter_is_refused_under_fsdp_before_start(tmp_path):
+def zoo_args(name: str, *overrides: str, world: int = 2, batch: int = 8, steps: int = 6) -> list[str]:
+    kind = ROWS[name].samples
+    return ["--config-dir", str(ZOO_DIR / "conf"), "+experiment=zoo", *FAST, f"model.name={name}",
+            f"data.train.kind={kind}", f"data.eval.kind={kind}", f"trainer.procs_per_node={world}",
+            f"data.batch_size={batch}", f"trainer.max_steps={steps}", "trainer.log_every=3", *overrides]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """The launches below that must be refused, run in one process (tests/conformance/commands.py; each its own
+    launcher process and imports of transformers took ~4 s of CPU): {row: result}."""
+    rows = {"scalar under fsdp": zoo_args("clip_contrastive", "trainer.strategy=fsdp"),
+            "per-token labels": zoo_args("bert_token_classifier", "task=classification")}
+    return run_commands(tmp_path_factory.mktemp("refused"),
+                        [{"id": row, "args": [*args, f"hydra.run.dir=runs/{n}"]} for n, (row, args) in enumerate(rows.items())],
+                        env={"PYTHONPATH": str(ZOO_DIR)})  # the user's module, as from their directory
+
+
+def test_a_model_with_a_scalar_parameter_is_refused_under_fsdp_before_start(refused):
     """CLIP's logit_scale is 0-dim, which torch's fully_shard refuses: every rank failed at start."""
-    proc = zoo_run(tmp_path / "run", "clip_contrastive", "trainer.strategy=fsdp")
-    assert proc.returncode == 2 and "plan:" not in proc.stdout
-    assert "trainer.strategy=fsdp cannot shard model._target_=zoo.build's 0-dim parameter(s) logit_scale" in proc.stderr
+    result = refused["scalar under fsdp"]
+    assert result["code"] == 2 and not result["started"] and "plan:" not in result["stdout"]
+    assert "trainer.strategy=fsdp cannot shard model._target_=zoo.build's 0-dim parameter(s) logit_scale" in result["stderr"]
 
 
 # Rows that fsdp cannot shard (said before start: the test above), launched under ddp only.
@@ -249,11 +267,11 @@ def test_every_row_launched_fsdp_equals_ddp_and_two_processes_equal_one(name, tm
                     f"(run {evals[-1]['loss']:.6f})\n")
 
 
-def test_per_token_labels_under_the_classification_task_are_refused_naming_the_task_that_fits(tmp_path):
-    proc = zoo_run(tmp_path / "run", "bert_token_classifier", "task=classification")
-    assert proc.returncode == 2 and "plan:" not in proc.stdout
-    assert "has per-token labels" in proc.stderr and "use task=model_loss" in proc.stderr
-    assert "as wide as the classes" not in proc.stderr  # not the width of the output: the task
+def test_per_token_labels_under_the_classification_task_are_refused_naming_the_task_that_fits(refused):
+    result = refused["per-token labels"]
+    assert result["code"] == 2 and not result["started"] and "plan:" not in result["stdout"]
+    assert "has per-token labels" in result["stderr"] and "use task=model_loss" in result["stderr"]
+    assert "as wide as the classes" not in result["stderr"]  # not the width of the output: the task
 
 
 def test_a_run_at_lr_0_keeps_its_initial_weights_and_a_nan_lr_is_refused(tmp_path):
