@@ -335,11 +335,11 @@ IDENTITY = [
 ]
 
 
-def _reference_run(tmp_path_factory, name: str, *overrides: str) -> Path:
-    """The run directory of IDENTITY with `overrides`, run once per pytest run: the first worker to ask runs it, the
-    others wait for it and read the same directory (pytest-xdist's workers share their base directory's parent).
-    Several files on several workers compare with it, and each launch is seconds of CPU (tests/lanes.py). Read-only
-    for the tests."""
+def _reference_run(tmp_path_factory, name: str, *overrides: str, base: list[str] = IDENTITY) -> Path:
+    """The run directory of `base` (IDENTITY) with `overrides`, run once per pytest run: the first worker to ask runs
+    it, the others wait for it and read the same directory (pytest-xdist's workers share their base directory's
+    parent). Several files on several workers compare with it, and each launch is seconds of CPU (tests/lanes.py).
+    Read-only for the tests."""
     root = tmp_path_factory.getbasetemp()
     root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
     tmp = root / f"reference-{name}"
@@ -347,7 +347,7 @@ def _reference_run(tmp_path_factory, name: str, *overrides: str) -> Path:
         if not (tmp / "done").exists():
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            proc = run_cli("launcher", *IDENTITY, *overrides, f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
+            proc = run_cli("launcher", *base, *overrides, f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
             assert proc.returncode == 0, proc.stderr[-3000:]
             (tmp / "done").touch()
     return tmp / "run"
@@ -363,6 +363,35 @@ def one_process_batch_32(tmp_path_factory) -> dict:
 def two_process_ddp(tmp_path_factory) -> Path:
     """The run directory of IDENTITY under DDP on 2 processes with batch 16 each (global batch 32)."""
     return _reference_run(tmp_path_factory, "ddp", "trainer.procs_per_node=2", "data.batch_size=16")
+
+
+# AdamW, dropout, augmentation, gradient clipping, accumulation: every piece of state that resume must restore.
+RESUME = [
+    *FAST,
+    "trainer.procs_per_node=2",
+    "model.dropout=0.2",
+    "data.augment=true",
+    "data.batch_size=32",
+    "optim=adamw",
+    "optim.lr=0.003",
+    "optim.schedule.warmup_epochs=0.5",
+    "trainer.accumulate=2",
+    "trainer.grad_clip=1.0",
+    "trainer.epochs=4",
+    "trainer.log_every=3",
+]
+
+
+# RESUME to step 32 straight through, with what the fault tests need of it (tests/test_faults.py FAULTY: a checkpoint
+# every 4 steps, restarts, a quick stop check), none of which changes the arithmetic: run once for both files.
+STRAIGHT = [*RESUME, "trainer.max_steps=32", "checkpoint.every_steps=4", "launcher.max_restarts=2", "trainer.stop_check_s=0.05"]
+
+
+@pytest.fixture(scope="session")
+def straight_run(tmp_path_factory) -> Path:
+    """The run directory of STRAIGHT (tests/test_ddp_identity.py resumes against it, tests/test_faults.py restarts
+    and stops; read-only)."""
+    return _reference_run(tmp_path_factory, "straight", base=STRAIGHT)
 
 
 # --- an S3 server (tests/test_object_store.py; checkpoint.store from other backends' tests) -----------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAST, IDENTITY, final_checkpoint, read_metrics
+from conftest import IDENTITY, RESUME, final_checkpoint, read_metrics
 from train.models.vision import mlp
 
 @pytest.mark.parametrize("batch,accumulate", [(16, 1), (8, 2)])
@@ -32,27 +32,8 @@ def test_two_processes_match_one_process_with_the_global_batch(launch, tmp_path,
     assert max((initial[k] - ddp["model"][k]).abs().max().item() for k in initial) > 1e-2
 
 
-# AdamW, dropout, augmentation, gradient clipping, accumulation: every piece of state that resume must restore.
-RESUME = [
-    *FAST,
-    "trainer.procs_per_node=2",
-    "model.dropout=0.2",
-    "data.augment=true",
-    "data.batch_size=32",
-    "optim=adamw",
-    "optim.lr=0.003",
-    "optim.schedule.warmup_epochs=0.5",
-    "trainer.accumulate=2",
-    "trainer.grad_clip=1.0",
-    "trainer.epochs=4",
-    "trainer.log_every=3",
-]
-
-
-def test_resume_is_bitwise_exact(launch, tmp_path):
+def test_resume_is_bitwise_exact(launch, tmp_path, straight_run):
     # 11 steps per epoch; stopping at 16 leaves the first half in the middle of epoch 2.
-    straight = launch(*RESUME, "trainer.max_steps=32", f"hydra.run.dir={tmp_path / 'straight'}")
-    assert straight.returncode == 0
     first = launch(*RESUME, "trainer.max_steps=16", f"hydra.run.dir={tmp_path / 'split'}")
     assert first.returncode == 0
     half = final_checkpoint(tmp_path / "split")
@@ -61,7 +42,7 @@ def test_resume_is_bitwise_exact(launch, tmp_path):
     assert second.returncode == 0
     assert "resumed at step 16" in second.stdout
 
-    a, b = final_checkpoint(tmp_path / "straight"), final_checkpoint(tmp_path / "split")
+    a, b = final_checkpoint(straight_run), final_checkpoint(tmp_path / "split")
     assert a["step"] == b["step"] == 32
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs after resume"
@@ -72,7 +53,7 @@ def test_resume_is_bitwise_exact(launch, tmp_path):
         assert torch.equal(a["rng"][rank]["torch"], b["rng"][rank]["torch"])
 
     # The logs continue where they stopped: no step repeated or lost, and the same numbers as straight through.
-    straight_log, split_log = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
+    straight_log, split_log = read_metrics(straight_run), read_metrics(tmp_path / "split")
     train_steps = [r["step"] for r in split_log if r["kind"] == "train"]
     assert train_steps == sorted(set(train_steps)) == list(range(3, 33, 3))
     straight_evals = [(r["step"], r["loss"]) for r in straight_log if r["kind"] == "eval"]

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,23 +17,20 @@ import pytest
 import torch
 
 import tracker_records
-from conftest import (FAST, REPO, final_checkpoint, fault_env, kill_leftovers, logged_steps, process_named, read_metrics, run_cli,
+from conftest import (FAST, IDENTITY, REPO, STRAIGHT, final_checkpoint, fault_env, kill_leftovers, logged_steps, process_named, read_metrics, run_cli,
                       signalled_launch, wait_for)
-from test_ddp_identity import IDENTITY, RESUME
 from train.observe.status import read_status
 from train.checkpoint import committed
 
 # Every piece of resumable state is in play (AdamW, dropout, augmentation, accumulation, clipping).
 # A stop is agreed within stop_check_s of the signal: these runs last a second.
-FAULTY = [*RESUME, "trainer.max_steps=32", "checkpoint.every_steps=4", "launcher.max_restarts=2", "trainer.stop_check_s=0.05"]
+FAULTY = STRAIGHT  # RESUME to step 32, a checkpoint every 4 steps, 2 restarts, a stop check every 0.05 s
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    proc = run_cli("launcher", *FAULTY, f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
-    assert proc.returncode == 0
-    return final_checkpoint(tmp / "run")
+def uninterrupted(straight_run):
+    """The final checkpoint of FAULTY run straight through (shared with tests/test_ddp_identity.py)."""
+    return final_checkpoint(straight_run)
 
 
 def assert_same_weights(a: dict, b: dict) -> None:
@@ -384,27 +382,33 @@ def test_a_process_taking_the_port_the_agent_picked_does_not_stop_the_ranks_meet
     assert proc.returncode == 0, proc.stderr
 
 
-def test_resume_at_another_world_size_continues_from_the_same_sample(launch, tmp_path):
-    straight = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", f"hydra.run.dir={tmp_path / 'straight'}")
-    assert straight.returncode == 0
+@pytest.fixture(scope="module")
+def half_run(tmp_path_factory):
+    """IDENTITY on 2 processes stopped at step 12 of 24 (read-only: a test resumes a copy of it)."""
+    tmp = tmp_path_factory.mktemp("half")
+    proc = run_cli("launcher", *IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.max_steps=12",
+                   f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "run"
+
+
+def test_resume_at_another_world_size_continues_from_the_same_sample(launch, tmp_path, half_run, two_process_ddp):
     split = tmp_path / "split"
-    first = launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.max_steps=12", f"hydra.run.dir={split}")
-    assert first.returncode == 0
+    shutil.copytree(half_run, split)
     # Resumed on one process with the same global batch (32): the same samples in the same order.
     second = launch(*IDENTITY, "trainer.procs_per_node=1", "data.batch_size=32", f"hydra.run.dir={split}")
     assert second.returncode == 0
     assert "resuming a checkpoint of world size 2 (global batch 32) at world size 1 (global batch 32)" in second.stderr
     assert "resumed at step 12" in second.stdout
-    a, b = final_checkpoint(tmp_path / "straight"), final_checkpoint(split)
+    a, b = final_checkpoint(two_process_ddp), final_checkpoint(split)  # the same run straight through
     assert a["step"] == b["step"] == 24
     for name in a["model"]:
         torch.testing.assert_close(b["model"][name], a["model"][name], rtol=1e-5, atol=1e-6)
 
 
-def test_resume_with_another_global_batch_maps_the_position_by_sample(launch, tmp_path):
+def test_resume_with_another_global_batch_maps_the_position_by_sample(launch, tmp_path, half_run):
     run_dir = tmp_path / "run"
-    assert launch(*IDENTITY, "trainer.procs_per_node=2", "data.batch_size=16", "trainer.max_steps=12",
-                  f"hydra.run.dir={run_dir}").returncode == 0
+    shutil.copytree(half_run, run_dir)
     # 12 steps x 32 samples = 384 samples into epoch 0; with a global batch of 16 that is step 24.
     proc = launch(*IDENTITY, "trainer.procs_per_node=1", "data.batch_size=16", "trainer.max_steps=30", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0 and "resumed at step 24" in proc.stdout
