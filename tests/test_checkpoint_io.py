@@ -93,27 +93,25 @@ def craft_metadata(step_dir, payload) -> None:
 
 
 @pytest.fixture(scope="module")
-def sharded_run(tmp_path_factory):
-    """fsdp over 2 processes stopped after step 6: step directories 3 and 6."""
-    run_dir = tmp_path_factory.mktemp("sharded") / "run"
-    launch_at(run_dir, *FSDP2, "trainer.max_steps=6")
-    return run_dir
+def sharded_run(fsdp_halfway):
+    """fsdp over 2 processes stopped after step 7: step directories 3, 6 and 7 (conftest, shared; read-only)."""
+    return fsdp_halfway
 
 
 def test_a_crafted_metadata_is_refused_by_export_and_resume_and_never_runs(sharded_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(sharded_run, run_dir)
     marker = tmp_path / "pwned"
-    craft_metadata(checkpoint_dir(run_dir) / step_dir_name(6), Marker(marker))
+    craft_metadata(checkpoint_dir(run_dir) / step_dir_name(7), Marker(marker))
 
     export = run_cli("launcher.export", str(run_dir), "--out", str(tmp_path / "model.pt"), cwd=tmp_path)
     assert export.returncode == 2, export.stderr
-    assert "step_00000006/.metadata was refused: it names posix.system" in export.stderr
+    assert "step_00000007/.metadata was refused: it names posix.system" in export.stderr
     assert not marker.exists() and not (tmp_path / "model.pt").exists()
 
-    resumed = launch_at(run_dir, *FSDP2, "trainer.max_steps=7")
-    assert ".metadata was refused" in resumed.stderr and "moved it to step_00000006.damaged" in resumed.stderr
-    assert f"resuming from {checkpoint_dir(run_dir) / step_dir_name(3)}" in resumed.stderr
+    resumed = launch_at(run_dir, *FSDP2, "trainer.max_steps=8")
+    assert ".metadata was refused" in resumed.stderr and "moved it to step_00000007.damaged" in resumed.stderr
+    assert f"resuming from {checkpoint_dir(run_dir) / step_dir_name(6)}" in resumed.stderr
     assert not marker.exists()
 
 

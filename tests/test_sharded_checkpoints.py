@@ -37,11 +37,9 @@ def straight(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def halfway(tmp_path_factory):
-    """The same run stopped after step 7 (mid-epoch): step directories 3, 6 and 7."""
-    run_dir = tmp_path_factory.mktemp("halfway") / "run"
-    launch_at(run_dir, *FSDP2, "trainer.max_steps=7")
-    return run_dir
+def halfway(fsdp_halfway):
+    """The same run stopped after step 7 (mid-epoch): step directories 3, 6 and 7 (conftest, shared)."""
+    return fsdp_halfway
 
 
 def copy_run(source, tmp_path):
