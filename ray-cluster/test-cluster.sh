@@ -23,8 +23,10 @@ CPUS_PER_NODE=${RAY_TEST_CPUS:-2}
 # A lost node (kill-worker) is declared dead after 5 failed health checks: one a second, not every 3 s. Each node's
 # log monitor lists its log folder for new files every 0.5 s, not every 0.1 s (Ray does the latter below 1,000 files:
 # the two monitors took ~27 s of CPU in a CI run); the lines of files it knows are still read every 0.1 s.
+# No worker processes started ahead of need: each raylet started one per CPU when a job's driver connected, and the
+# two a job never used stayed as ray::IDLE until killed (~2 s of CPU per job: their imports of Ray).
 export RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0 REPORTER_UPDATE_INTERVAL_MS=60000 RAY_health_check_period_ms=1000 \
-  RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0 PATH="$VENV/bin:$PATH"
+  RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0 RAY_prestart_worker_first_driver=0 RAY_enable_worker_prestart=0 PATH="$VENV/bin:$PATH"
 NODE_OPTS=(--num-cpus="$CPUS_PER_NODE" --num-gpus=0 --object-store-memory=200000000 --disable-usage-stats)
 
 wait_for_nodes() {  # $1: how many alive nodes to wait for
