@@ -147,6 +147,10 @@ class Backend:
     def output(self, launch: Launch) -> str:
         raise NotImplementedError
 
+    def progress(self, launch: Launch) -> str:
+        """The output so far, read as often as a wait polls: output() where that is cheap."""
+        return self.output(launch)
+
     def restarts(self, mode: str, count: int = 1) -> list[str]:
         """`count` restarts after a fault, where this backend makes them."""
         return [f"launcher.max_restarts={count}"]
@@ -414,6 +418,13 @@ class Ray(Backend):
                               cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "RAY_ADDRESS": RAY_ADDRESS})
         return logs.stdout + logs.stderr
 
+    def progress(self, launch):
+        # The same job log, from the cluster in this process: the command above imports Ray each time (~3 s of CPU),
+        # and a wait polled it every half second.
+        from launcher.backends.ray import client
+
+        return client(RAY_ADDRESS).get_job_logs(launch.job)
+
 
 def _which(name: str) -> bool:
     import shutil
@@ -629,7 +640,7 @@ def elastic(backend: Backend, mode: str, run_dir: Path, reference) -> None:
     act_when_training(first)
     try:
         backend.lose_node(first)
-        wait_for(lambda: "global batch on 1: 32 samples per replica" in backend.output(first), timeout=120,
+        wait_for(lambda: "global batch on 1: 32 samples per replica" in backend.progress(first), timeout=120,
                  what="n1 training alone", poll=0.5)
         alone = max(logged_steps(run_dir))
     finally:
@@ -661,7 +672,7 @@ def elastic_frozen(backend: Backend, mode: str, run_dir: Path, reference) -> Non
     act_when_training(first)
     frozen = backend.freeze_node(first)
     try:
-        wait_for(lambda: "global batch on 1: 32 samples per replica" in backend.output(first), timeout=120,
+        wait_for(lambda: "global batch on 1: 32 samples per replica" in backend.progress(first), timeout=120,
                  what="n1 training alone", poll=0.5)
     finally:
         for pid in frozen:
@@ -685,7 +696,7 @@ def joined(backend: Backend, mode: str, run_dir: Path, reference) -> None:
     first = None
     try:
         first = backend.start(run_dir, overrides, SLOWER)
-        wait_for(lambda: "global batch on 1: 32 samples per replica" in backend.output(first), timeout=180,
+        wait_for(lambda: "global batch on 1: 32 samples per replica" in backend.progress(first), timeout=180,
                  what="one node training alone", poll=0.5)
         act_when_training(first)
         alone = max(logged_steps(run_dir))
