@@ -330,7 +330,7 @@ class Wide(nn.Module):
 """
 
 
-@pytest.mark.parametrize("hidden, batch_seen", [(1000, 2), (16, 128)])
+@pytest.mark.parametrize("hidden, batch_seen", [(2000, 2), (16, 128)])
 def test_the_check_before_start_runs_a_real_forward_of_the_configured_batch_only_where_that_is_cheap(
         tmp_path, monkeypatch, hidden, batch_seen):
     """The launcher's one-batch check runs a model under 20M parameters for real on the CPU: a CIFAR ResNet-18
