@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CREDENTIALS, IDENTITY, final_checkpoint, free_port, kill_leftovers, process_named, run_cli, wait_for
+from conftest import (CREDENTIALS, IDENTITY, final_checkpoint, free_port, kill_leftovers, process_named, run_cli,
+                      run_commands, wait_for)
 
 from train.checkpoint import committed
 from train.checkpoint.store import SET_ASIDE, Record, Store, StoreDamaged
@@ -104,29 +105,31 @@ def test_a_start_from_a_checkpoint_the_store_lacks_uploads_it_first(tmp_path):
 
 # --- the checks before start -----------------------------------------------------------------------------------
 
-def test_a_store_url_is_checked_before_any_process_starts(launch, bucket, tmp_path):
+def test_a_store_url_is_checked_before_any_process_starts(bucket, tmp_path):
     """Refused before start, each with the key and the fix; the URL's form even in a dry run, which does not ask
-    the store (as it asks no cluster)."""
-    missing = launch("checkpoint.store=s3://no-such-bucket-here/run")
-    assert missing.returncode != 0
-    assert "checkpoint.store=s3://no-such-bucket-here/run: the bucket no-such-bucket-here does not exist" in missing.stderr
-
-    secret = launch("checkpoint.store=s3://AKIA:hunter2@bucket/run", "launcher.dry_run=true")
-    assert secret.returncode != 0 and "the URL holds credentials" in secret.stderr
-    assert "hunter2" not in secret.stderr + secret.stdout
-
-    unknown = launch("checkpoint.store=nosuch://bucket/run", "launcher.dry_run=true")
-    assert unknown.returncode != 0 and "checkpoint.store=nosuch://bucket/run: Protocol not known" in unknown.stderr
-
+    the store (as it asks no cluster). The launches run in one process (tests/conformance/commands.py): a refusal
+    costs its checks, not a Python and torch start each."""
     store = Store(f"{bucket}/run")
     store.commit(Record("step_00000008.pt", 0, 8, "file", {}))
-    fresh = launch(f"checkpoint.store={bucket}/run", "checkpoint.resume=false")
-    assert fresh.returncode != 0
-    assert f"checkpoint.resume=false, but checkpoint.store={bucket}/run already holds 1 checkpoint(s)" in fresh.stderr
+    launches = {
+        "missing": ["checkpoint.store=s3://no-such-bucket-here/run"],
+        "secret": ["checkpoint.store=s3://AKIA:hunter2@bucket/run", "launcher.dry_run=true"],
+        "unknown": ["checkpoint.store=nosuch://bucket/run", "launcher.dry_run=true"],
+        "fresh": [f"checkpoint.store={bucket}/run", "checkpoint.resume=false"],
+        "planned": [f"checkpoint.store={bucket}/run", "checkpoint.resume=false", "launcher.dry_run=true"],
+    }
+    said = run_commands(tmp_path, [{"id": name, "args": [*args, f"hydra.run.dir=runs/{name}"]}
+                                   for name, args in launches.items()])
+    missing, secret, unknown, fresh, planned = (said[name] for name in launches)
+    assert missing["code"] != 0 and not missing["started"]
+    assert "checkpoint.store=s3://no-such-bucket-here/run: the bucket no-such-bucket-here does not exist" in missing["stderr"]
+    assert secret["code"] != 0 and "the URL holds credentials" in secret["stderr"]
+    assert "hunter2" not in secret["stderr"] + secret["stdout"]
+    assert unknown["code"] != 0 and "checkpoint.store=nosuch://bucket/run: Protocol not known" in unknown["stderr"]
+    assert fresh["code"] != 0 and not fresh["started"]
+    assert f"checkpoint.resume=false, but checkpoint.store={bucket}/run already holds 1 checkpoint(s)" in fresh["stderr"]
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("metrics.jsonl"))  # nothing ran
-
-    planned = launch(f"checkpoint.store={bucket}/run", "checkpoint.resume=false", "launcher.dry_run=true")
-    assert planned.returncode == 0 and f"dry run: checkpoint.store={bucket}/run was not asked" in planned.stderr
+    assert planned["code"] == 0 and f"dry run: checkpoint.store={bucket}/run was not asked" in planned["stderr"]
 
 
 def test_a_rank_that_cannot_reach_the_store_stops_with_what_to_give_it(tmp_path, monkeypatch):
