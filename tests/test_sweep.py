@@ -11,7 +11,10 @@ import sys
 from conftest import FAST, read_metrics, run_cli
 from test_slurm import cluster, state, wait_until_ended  # noqa: F401  (the cluster fixture)
 
-POINT = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=2", "trainer.epochs=1"]
+# A point of a sweep: one process (the sweep, not the world, is under test here: the cheapest world), accumulating 2
+# micro-batches, so that a summary's global batch is not the configured one.
+POINT = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=1", "trainer.accumulate=2",
+         "trainer.epochs=1"]
 
 
 def read_summary(sweep_dir) -> dict[str, dict]:
@@ -92,6 +95,7 @@ def test_a_failing_point_is_reported_and_the_others_complete(launch, tmp_path):
     status = subprocess.run([sys.executable, "-m", "launcher.jobs", "status", str(sweep_dir)], capture_output=True,
                             text=True, timeout=60).stdout
     rows = [[c.strip() for c in line.strip("│").split("│")] for line in status.splitlines() if line.startswith("│")]
+    rows = [row for row in rows if row[1]]  # not the lines a long point's name wraps onto
     assert sorted(row[1] for row in rows) == ["failed", "finished"]
     plan = json.loads(next(sweep_dir.glob("*batch_size=16*/plan.json")).read_text())
     assert next(row for row in rows if row[1] == "finished")[2] == f"{plan['stop_step']}/{plan['stop_step']}"
