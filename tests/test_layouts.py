@@ -27,6 +27,16 @@ def gpt_run(corpus, run_dir, *overrides: str):
     return proc
 
 
+@pytest.fixture(scope="module")
+def one_process(corpus, tmp_path_factory):
+    """The small GPT on 1 process with batch 32 for 12 steps, evaluated at step 8 and at the end: what the layouts
+    below reach (read-only)."""
+    run_dir = tmp_path_factory.mktemp("one") / "run"
+    gpt_run(corpus, run_dir, "trainer.procs_per_node=1", "data.batch_size=32", "trainer.max_steps=12",
+            "trainer.eval_every_steps=8")
+    return run_dir
+
+
 def weights(run_dir, step: int) -> dict:
     """The model of the checkpoint of `step`, whichever format holds it."""
     from conftest import checkpoint_at
@@ -89,56 +99,54 @@ def test_a_layout_or_a_plan_that_does_not_fit_is_refused_before_start(tmp_path):
                  "+trainer.tp_plan={fc*: colwise}", run_dir=tmp_path)
 
 
-def test_tp2_reaches_one_process_and_its_checkpoint_resumes_as_one_process(corpus, tmp_path):
+def test_tp2_reaches_one_process_and_its_checkpoint_resumes_as_one_process(corpus, one_process, tmp_path):
     """AdamW with clipping, 8 steps split 2 ways (the same batch on both ranks of the tp group) against 1 process;
     then the sharded checkpoint of step 8 resumed by 1 process to step 12, against the straight run."""
-    gpt_run(corpus, tmp_path / "one", "trainer.procs_per_node=1", "data.batch_size=16", "trainer.max_steps=12",
-                  "trainer.eval_every_steps=8")
+    one = one_process
     tp = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.tp=2",
-                 "data.batch_size=16", "trainer.max_steps=8")
+                 "data.batch_size=32", "trainer.max_steps=8")
     assert "plan: 2 processes (fsdp, 2 tp)" in tp.stdout and "1 replicas" in tp.stdout
     assert "the model was built on the meta device" in tp.stderr  # each rank filled in its tp x fsdp pieces only
-    assert_same(weights(tmp_path / "one", 8), weights(tmp_path / "tp", 8), "tp=2 at step 8")
-    assert evals(tmp_path / "tp")[8] == pytest.approx(evals(tmp_path / "one")[8], rel=1e-6)  # exact evaluation
+    assert_same(weights(one, 8), weights(tmp_path / "tp", 8), "tp=2 at step 8")
+    assert evals(tmp_path / "tp")[8] == pytest.approx(evals(one)[8], rel=1e-6)  # exact evaluation
     train = [r for r in read_metrics(tmp_path / "tp") if r["kind"] == "train"]
-    reference = [r for r in read_metrics(tmp_path / "one") if r["kind"] == "train"]
+    reference = [r for r in read_metrics(one) if r["kind"] == "train"]
     assert train[-1]["loss"] == pytest.approx(reference[1]["loss"], rel=1e-5)  # the tp group's loss counted once
 
-    resumed = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=1", "checkpoint.format=dcp", "data.batch_size=16",
+    resumed = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=1", "checkpoint.format=dcp", "data.batch_size=32",
                       "trainer.max_steps=12")
     assert "resumed at step 8" in resumed.stdout
-    assert_same(weights(tmp_path / "one", 12), weights(tmp_path / "tp", 12), "tp=2 resumed by 1 process")
+    assert_same(weights(one, 12), weights(tmp_path / "tp", 12), "tp=2 resumed by 1 process")
 
     # Sequence parallel (the residual stream cut along the sequence, the tied vocabulary table split by rows) and
     # loss parallel (the logits left split by vocabulary for the cross-entropy).
     gpt_run(corpus, tmp_path / "sp", "trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.tp=2",
-            "trainer.sequence_parallel=true", "trainer.loss_parallel=true", "data.batch_size=16", "trainer.max_steps=8")
-    assert_same(weights(tmp_path / "one", 8), weights(tmp_path / "sp", 8), "tp=2 with sequence and loss parallelism")
-    assert evals(tmp_path / "sp")[8] == pytest.approx(evals(tmp_path / "one")[8], rel=1e-6)
+            "trainer.sequence_parallel=true", "trainer.loss_parallel=true", "data.batch_size=32", "trainer.max_steps=8")
+    assert_same(weights(one, 8), weights(tmp_path / "sp", 8), "tp=2 with sequence and loss parallelism")
+    assert evals(tmp_path / "sp")[8] == pytest.approx(evals(one)[8], rel=1e-6)
 
 
-def test_tp2_by_fsdp2_reaches_one_process_and_resumes_as_fsdp_on_4_and_as_one_process(corpus, tmp_path):
+def test_tp2_by_fsdp2_reaches_one_process_and_resumes_as_fsdp_on_4_and_as_one_process(corpus, one_process, tmp_path):
     """4 processes: tp groups {0,1} and {2,3}, each reading half the batch, sharded (or copied) over the other
     dimension. The reference is one process with the global batch (ddp's 4 x 8 is it: test_gpt, test_counting)."""
-    gpt_run(corpus, tmp_path / "ddp", "trainer.procs_per_node=1", "data.batch_size=32", "trainer.max_steps=12")
     layered = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "trainer.tp=2",
                       "trainer.fsdp_replicate=1", "data.batch_size=16", "trainer.max_steps=8")
     assert "plan: 4 processes (fsdp, 2 dp_shard x 2 tp)" in layered.stdout
-    assert_same(weights(tmp_path / "ddp", 8), weights(tmp_path / "tp", 8), "tp=2 x fsdp=2 at step 8")
+    assert_same(weights(one_process, 8), weights(tmp_path / "tp", 8), "tp=2 x fsdp=2 at step 8")
     shutil.copytree(tmp_path / "tp", tmp_path / "tp_then_one")  # the same checkpoint, resumed by one process too
     alone = gpt_run(corpus, tmp_path / "tp_then_one", "trainer.procs_per_node=1", "checkpoint.format=dcp",
                     "data.batch_size=32", "trainer.max_steps=12")
     assert "resumed at step 8" in alone.stdout
-    assert_same(weights(tmp_path / "ddp", 12), weights(tmp_path / "tp_then_one", 12), "resumed as 1 process")
+    assert_same(weights(one_process, 12), weights(tmp_path / "tp_then_one", 12), "resumed as 1 process")
     resumed = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "data.batch_size=8",
                       "trainer.max_steps=12")
     assert "resumed at step 8" in resumed.stdout
-    assert_same(weights(tmp_path / "ddp", 12), weights(tmp_path / "tp", 12), "resumed as fsdp=4")
+    assert_same(weights(one_process, 12), weights(tmp_path / "tp", 12), "resumed as fsdp=4")
     # ddp's layout with tp: 2 whole copies (HSDP with shards of one), what the refusal of tp under ddp points to.
     copies = gpt_run(corpus, tmp_path / "copies", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "trainer.tp=2",
                      "trainer.fsdp_replicate=2", "data.batch_size=16", "trainer.max_steps=8")
     assert "plan: 4 processes (fsdp, 2 dp_replicate x 2 tp)" in copies.stdout
-    assert_same(weights(tmp_path / "ddp", 8), weights(tmp_path / "copies", 8), "tp=2 x 2 copies at step 8")
+    assert_same(weights(one_process, 8), weights(tmp_path / "copies", 8), "tp=2 x 2 copies at step 8")
 
 
 def test_a_two_stage_pipeline_copied_sharded_or_split_reaches_one_process(corpus, tmp_path):
