@@ -16,7 +16,9 @@ from conftest import FAST, REPO
 from train.checkpoint import BEST, CheckpointManager, CheckpointSaveError, load, refuse_fresh_start_over, step_file_name
 from train.config import CheckpointConfig
 
-SMALL = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=2", "trainer.epochs=2"]
+# One process accumulating 2 micro-batches: the global batch of 2 processes (a torn save, not the world, is under test).
+SMALL = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=1", "trainer.accumulate=2",
+         "trainer.epochs=2"]
 
 # A child process that starts writing `step_99999999.pt` and, halfway through the bytes, stops for good.
 KILLED_SAVE = textwrap.dedent(
