@@ -19,6 +19,11 @@ SMALL = [*FAST, "data=synthetic", "data.num_samples=512", "data.batch_size=16", 
          "trainer.procs_per_node=2", "optim.lr=0.05", "trainer.epochs=3"]
 
 
+# The same 16 steps per epoch on one process accumulating 2 micro-batches: where epochs and the schedule, not the
+# world, are under test.
+ONE = [*SMALL, "trainer.procs_per_node=1", "trainer.accumulate=2"]
+
+
 def evals(run_dir) -> dict[int, float]:
     return {r["step"]: r["acc"] for r in read_metrics(run_dir) if r["kind"] == "eval"}
 
@@ -45,7 +50,7 @@ def test_a_stop_on_the_last_step_of_an_epoch_still_evaluates_that_epoch(launch, 
 
 def test_resumed_at_an_epoch_end_whose_evaluation_never_ran_it_evaluates_first(launch, tmp_path):
     run_dir = tmp_path / "run"
-    assert launch(*SMALL, "trainer.max_steps=16", "trainer.eval_every=0", f"hydra.run.dir={run_dir}").returncode == 0
+    assert launch(*ONE, "trainer.max_steps=16", "trainer.eval_every=0", f"hydra.run.dir={run_dir}").returncode == 0
     path = run_dir / "checkpoints" / step_file_name(16)
     assert load(path)["eval_step"] == 16  # the end of a run is evaluated; make it look like a skipped epoch end:
     state = load(path)
@@ -54,7 +59,7 @@ def test_resumed_at_an_epoch_end_whose_evaluation_never_ran_it_evaluates_first(l
     from train.config import CheckpointConfig
 
     CheckpointManager(path.parent, CheckpointConfig(), is_writer=True).save(state, 16)
-    resumed = launch(*SMALL, "trainer.max_steps=20", f"hydra.run.dir={run_dir}")
+    resumed = launch(*ONE, "trainer.max_steps=20", f"hydra.run.dir={run_dir}")
     assert resumed.returncode == 0
     assert [s for s in evals(run_dir)] == [16, 20]  # epoch 1 evaluated on resume, before training on
 
@@ -63,7 +68,7 @@ def test_a_changed_number_of_epochs_on_resume_is_reported_and_followed(launch, t
     from train.optim import WarmupSchedule
 
     run_dir = tmp_path / "run"
-    run = [*SMALL, "optim.schedule.warmup_epochs=0", f"hydra.run.dir={run_dir}"]  # a cosine from the first step
+    run = [*ONE, "optim.schedule.warmup_epochs=0", f"hydra.run.dir={run_dir}"]  # a cosine from the first step
     assert launch(*run, "trainer.epochs=2", "trainer.max_steps=10").returncode == 0
     resumed = launch(*run, "trainer.epochs=4", "trainer.max_steps=12", "trainer.log_every=1")
     assert resumed.returncode == 0
