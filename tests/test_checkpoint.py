@@ -215,8 +215,8 @@ def test_after_renumbered_steps_the_newest_commit_wins_and_stale_files_are_prune
 
 def test_resume_after_a_change_of_global_batch_never_rolls_back(launch, tmp_path):
     """The reported scenario: 40 steps at batch 16, resumed at batch 32 to step 30, then extended to 35."""
-    run = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[16]", "trainer.procs_per_node=2",
-           "checkpoint.every_steps=10", "trainer.eval_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
+    run = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[16]", "trainer.procs_per_node=1", "trainer.accumulate=2",
+           "checkpoint.every_steps=10", "trainer.eval_every=0", f"hydra.run.dir={tmp_path / 'run'}"]  # 2 x batch
     assert launch(*run, "data.batch_size=16", "trainer.max_steps=40").returncode == 0
     second = launch(*run, "data.batch_size=32", "trainer.max_steps=30")
     assert second.returncode == 0 and "resumed at step 20" in second.stdout
