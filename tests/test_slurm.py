@@ -171,7 +171,7 @@ def test_the_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_weigh
     assert after.returncode == 0 and "start     resume from the newest loadable checkpoint" in after.stdout
 
     err = (slurm_folder(run_dir) / f"{job_id}_0_log.err").read_text()
-    assert "SIGUSR2: saving a checkpoint at the next step boundary" in err and "requeued job" in err
+    assert "SIGUSR2: saving a checkpoint at the next step boundary" in err and f"requeuing job {job_id}" in err
     out = (slurm_folder(run_dir) / f"{job_id}_0_log.out").read_text()
     assert "; resumed at step" in out  # the same run directory, from its checkpoint
     a, b = final_checkpoint(reference), final_checkpoint(run_dir)
@@ -195,7 +195,7 @@ def test_a_preemption_sigterm_saves_requeues_and_the_job_resumes(cluster, launch
     start_requeued_now(job_id)
     wait_until_ended([job_id], run_dir)
 
-    # Requeued (Restarts=1, above): by our `scontrol requeue` ("requeued job N") or by SLURM's own preemption first,
+    # Requeued (Restarts=1, above): by our `scontrol requeue` ("requeuing job N") or by SLURM's own preemption first,
     # which may stop the task before it asks (CI, 2026-11-27: neither line in task 0's log). What must hold is below.
     out = (slurm_folder(run_dir) / f"{job_id}_0_log.out").read_text()
     stopped = int(out.split("stopped at step ")[1].split()[0])
@@ -302,6 +302,23 @@ def slurm_task_env():
         for key in ENV_KEYS:
             os.environ.pop(key, None)
         yield
+
+
+def test_the_requeue_is_said_before_slurm_stops_the_task(tmp_path):
+    """SLURM's requeue stops the job's tasks at once, often before `scontrol requeue` has returned to the task that
+    asked: the line saying so, printed after it, was lost (1 CI run in 4). A stand-in scontrol stops its caller as
+    SLURM would; the line is in the task's output all the same."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nkill -TERM $PPID\nsleep 5\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    script = ("from launcher.backends.slurm_job import Requeues\n"
+              "task = Requeues()\ntask.max_requeues = 1\ntask._requeue('42')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "RANK": "0",
+                               "SLURM_RESTART_COUNT": "0"})
+    assert proc.returncode == -15  # stopped by the requeue, as SLURM stops it
+    assert "requeuing job 42 (requeue 1 of 1); it resumes from the checkpoint" in proc.stderr
 
 
 def test_slurm_variables_become_the_env_contract(slurm_task_env):
@@ -467,7 +484,7 @@ def test_a_script_using_the_api_saves_at_the_warning_signal_and_the_requeued_job
     wait_until_ended([job_id], run_dir)
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
     assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 300
-    assert "requeued job" in (slurm_folder(run_dir) / f"{job_id}_0_log.err").read_text()
+    assert f"requeuing job {job_id}" in (slurm_folder(run_dir) / f"{job_id}_0_log.err").read_text()
     assert f"resumed at step {saved}" in (slurm_folder(run_dir) / f"{job_id}_0_log.out").read_text()
     assert not (run_dir / "lease.json").exists()  # released at the job's clean end
 

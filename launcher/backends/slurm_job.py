@@ -111,12 +111,13 @@ class Requeues:
     def _requeue(self, job_id: str) -> None:
         done = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
         if os.environ.get("RANK") == "0":
-            # The checkpoint is committed (saving was collective); now SLURM may stop every task and requeue.
+            # The checkpoint is committed (saving was collective); now SLURM may stop every task and requeue. Said
+            # first: the requeue stops this task at once, often before scontrol has returned (a line printed after
+            # it was lost in 1 CI run of 4).
+            print(f"requeuing job {job_id} (requeue {done + 1} of {self.max_requeues}); it resumes from the checkpoint",
+                  file=sys.stderr, flush=True)
             requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
-            if requeue.returncode == 0:
-                print(f"requeued job {job_id} (requeue {done + 1} of {self.max_requeues}); it resumes from the checkpoint",
-                      file=sys.stderr, flush=True)
-            else:  # e.g. SLURM's own preemption requeued it first (PreemptMode=REQUEUE)
+            if requeue.returncode != 0:  # e.g. SLURM's own preemption requeued it first (PreemptMode=REQUEUE)
                 print(f"scontrol requeue {job_id}: {requeue.stderr.strip()}", file=sys.stderr, flush=True)
         # Wait to be stopped by SLURM: returning now would let submitit record this attempt as the job's result.
         deadline = time.monotonic() + 300
