@@ -394,16 +394,17 @@ def straight_run(tmp_path_factory) -> Path:
     return _reference_run(tmp_path_factory, "straight", base=STRAIGHT)
 
 
-# IDENTITY under fsdp on 2 processes with a sharded checkpoint every 3 steps, stopped after step 7, mid-epoch.
-SHARDED = ["trainer.max_steps=-1", "trainer.epochs=3", "checkpoint.every_steps=3", "checkpoint.keep_last=10",
-           "trainer.strategy=fsdp", "trainer.procs_per_node=2", "data.batch_size=48"]
+# IDENTITY for 3 epochs with a checkpoint every 3 steps (tests/test_sharded_checkpoints.py, test_checkpoint_io.py),
+# and the layout that makes those checkpoints sharded step directories.
+CHECKPOINTED = [*IDENTITY, "trainer.max_steps=-1", "trainer.epochs=3", "checkpoint.every_steps=3", "checkpoint.keep_last=10"]
+FSDP2 = ["trainer.strategy=fsdp", "trainer.procs_per_node=2", "data.batch_size=48"]
 
 
 @pytest.fixture(scope="session")
 def fsdp_halfway(tmp_path_factory) -> Path:
-    """The run directory of SHARDED stopped after step 7: step directories 3, 6 and 7 (tests/test_sharded_checkpoints.py,
-    tests/test_checkpoint_io.py; read-only: a test that changes it works on a copy)."""
-    return _reference_run(tmp_path_factory, "fsdp-halfway", *SHARDED, "trainer.max_steps=7")
+    """The run directory of CHECKPOINTED under FSDP2 stopped after step 7, mid-epoch: step directories 3, 6 and 7
+    (read-only: a test that changes it works on a copy)."""
+    return _reference_run(tmp_path_factory, "fsdp-halfway", *FSDP2, "trainer.max_steps=7", base=CHECKPOINTED)
 
 
 # --- an S3 server (tests/test_object_store.py; checkpoint.store from other backends' tests) -----------------------

@@ -11,16 +11,13 @@ import shutil
 import pytest
 import torch
 
-from conftest import IDENTITY, fault_env, final_checkpoint, run_cli
+from conftest import CHECKPOINTED, FSDP2, fault_env, final_checkpoint, run_cli
 from train.checkpoint import checkpoint_dir, committed, dcp, dcp_index, step_dir_name
 from train.checkpoint.staging import Stager
 
-BASE = [*IDENTITY, "trainer.max_steps=-1", "trainer.epochs=3", "checkpoint.every_steps=3", "checkpoint.keep_last=10"]
-FSDP2 = ["trainer.strategy=fsdp", "trainer.procs_per_node=2", "data.batch_size=48"]
-
 
 def launch_at(run_dir, *overrides, env=None, ok=True):
-    proc = run_cli("launcher", *BASE, *overrides, f"hydra.run.dir={run_dir}", cwd=run_dir.parent, env=env)
+    proc = run_cli("launcher", *CHECKPOINTED, *overrides, f"hydra.run.dir={run_dir}", cwd=run_dir.parent, env=env)
     assert (proc.returncode == 0) == ok, proc.stderr[-3000:]
     return proc
 

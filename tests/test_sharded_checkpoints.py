@@ -10,20 +10,18 @@ import shutil
 import pytest
 import torch
 
-from conftest import IDENTITY, fault_env, final_checkpoint, read_metrics, run_cli
+from conftest import CHECKPOINTED, FSDP2, fault_env, final_checkpoint, read_metrics, run_cli
 from train.checkpoint import dcp
 from train.checkpoint import CheckpointManager, checkpoint_dir, committed, step_dir_name
 from train.config import CheckpointConfig
 
-# A global batch of 96 at every world size (48 x 2, 32 x 3, 96 x 1): 5 steps per epoch, 15 in all; a checkpoint
-# every 3 steps and at the end (IDENTITY evaluates only there).
-BASE = [*IDENTITY, "trainer.max_steps=-1", "trainer.epochs=3", "checkpoint.every_steps=3", "checkpoint.keep_last=10"]
-FSDP2 = ["trainer.strategy=fsdp", "trainer.procs_per_node=2", "data.batch_size=48"]
+# The runs below (conftest CHECKPOINTED, FSDP2): a global batch of 96 at every world size (48 x 2, 32 x 3, 96 x 1),
+# 5 steps per epoch, 15 in all; a checkpoint every 3 steps and at the end (IDENTITY evaluates only there).
 CLOSE = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def launch_at(run_dir, *overrides, env=None):
-    proc = run_cli("launcher", *BASE, *overrides, f"hydra.run.dir={run_dir}", cwd=run_dir.parent, env=env)
+    proc = run_cli("launcher", *CHECKPOINTED, *overrides, f"hydra.run.dir={run_dir}", cwd=run_dir.parent, env=env)
     assert proc.returncode == 0
     return proc
 
@@ -130,7 +128,7 @@ def test_the_next_save_waits_for_an_asynchronous_one_still_committing_instead_of
     the next gather; rank 0 the other way round): the ranks hung (seen in CI under load, 300 s)."""
     run_dir = tmp_path / "run"
     env = {**fault_env("slow_commit", rank=0), "FAULT_DELAY_MS": "1500"}
-    proc = run_cli("launcher", *BASE, *FSDP2, "checkpoint.async_save=true", "checkpoint.every_steps=1",
+    proc = run_cli("launcher", *CHECKPOINTED, *FSDP2, "checkpoint.async_save=true", "checkpoint.every_steps=1",
                    "trainer.max_steps=4", f"hydra.run.dir={run_dir}", cwd=run_dir.parent, env=env, timeout=120)
     assert proc.returncode == 0
     assert [c.step for c in committed(checkpoint_dir(run_dir))] == [1, 2, 3, 4]
