@@ -2,7 +2,8 @@
 everywhere, faults sent from outside the trainer as a cluster and a user send them.
 
 Every cell runs the user's project in tests/conformance/project: their own model and data (models.py, data.py,
-read POINTS_DELAY_S late so that a run lasts long enough to act on) beside their own train.py and launcher.py,
+read POINTS_DELAY_S late so that a run lasts long enough to act on, a rank's reads held while POINTS_HOLD exists
+so that a run waits for a node joining it) beside their own train.py and launcher.py,
 which must never run in place of ours; it is launched as docs/your-code.md says for such a project (`ddp-launch`).
 
     backends    local (one node, 2 processes), nodes (two launchers by rendezvous, each in namespaces of its own as
@@ -636,18 +637,43 @@ def elastic(backend: Backend, mode: str, run_dir: Path, reference) -> None:
     again joins at the next step boundary (n1's ranks save and both start at 2); the weights are the fixed run's."""
     overrides = [*MODES[mode], "trainer.min_nodes=1", "launcher.max_restarts=2", "launcher.rdzv_last_call_s=1",
                  "launcher.rdzv_keep_alive_s=1"]
-    first = backend.start(run_dir, overrides, SLOWER)
+    first = backend.start(run_dir, overrides, held(run_dir))
     act_when_training(first)
     try:
         backend.lose_node(first)
         wait_for(lambda: "global batch on 1: 32 samples per replica" in backend.progress(first), timeout=120,
                  what="n1 training alone", poll=0.5)
         alone = max(logged_steps(run_dir))
-    finally:
+    except BaseException:
         backend.return_node(first)
+        raise
+    while_held(backend, first, backend.return_node)
     text = grown_back(backend, first, mode, run_dir, reference, "2 -> 1 -> 2 nodes")
     assert "a node joins): this node's stop and start again with every node's, not counted as a restart" in text
     assert max(logged_steps(run_dir)) > alone  # it went on after the loss, then grew back
+
+
+JOINS = "another node restarted its workers (or a node joins)"  # a running node's agent, seeing the newcomer
+
+
+def held(run_dir: Path) -> dict[str, str]:
+    """SLOWER, and the run's data reads held while RUN_DIR's sibling "hold" exists (while_held)."""
+    return {**SLOWER, "POINTS_HOLD": str(run_dir.parent / "hold")}
+
+
+def while_held(backend: Backend, launch: Launch, bring) -> None:
+    """`bring(launch)` a node in while the running node's data reads wait, until its agent has seen the node: the
+    node's start (a Ray worker: ~10 s, over 40 s on a busy CI machine) may otherwise outlast the rest of the run,
+    which then ends alone. The running ranks wait inside a read, within trainer.hang_timeout_s (300 s)."""
+    hold = launch.run_dir.parent / "hold"
+    seen = backend.progress(launch).count(JOINS)
+    hold.touch()
+    try:
+        bring(launch)
+        wait_for(lambda: backend.progress(launch).count(JOINS) > seen, timeout=180,
+                 what="the running node's agent to see the node join", poll=0.5)
+    finally:
+        hold.unlink(missing_ok=True)
 
 
 def grown_back(backend: Backend, launch: Launch, mode: str, run_dir: Path, reference, what: str) -> str:
@@ -695,13 +721,15 @@ def joined(backend: Backend, mode: str, run_dir: Path, reference) -> None:
     backend.away(run_dir)
     first = None
     try:
-        first = backend.start(run_dir, overrides, SLOWER)
+        first = backend.start(run_dir, overrides, held(run_dir))
         wait_for(lambda: "global batch on 1: 32 samples per replica" in backend.progress(first), timeout=180,
                  what="one node training alone", poll=0.5)
         act_when_training(first)
         alone = max(logged_steps(run_dir))
-    finally:
+    except BaseException:
         backend.join(first)  # (None: the start failed; the node is given back all the same)
+        raise
+    while_held(backend, first, backend.join)
     grown_back(backend, first, mode, run_dir, reference, "1 -> 2 nodes")
     assert max(logged_steps(run_dir)) > alone  # it trained alone, then grew
 
