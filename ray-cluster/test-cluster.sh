@@ -7,7 +7,7 @@
 #
 #   ray-cluster/test-cluster.sh install       # the cluster's venv (~1 min, once)
 #   ray-cluster/test-cluster.sh start         # both nodes; prints the address to use (RAY_ADDRESS)
-#   ray-cluster/test-cluster.sh kill-worker   # SIGKILL the worker node's raylet (a lost node)
+#   ray-cluster/test-cluster.sh kill-worker   # SIGKILL the worker node's processes (a lost node)
 #   ray-cluster/test-cluster.sh start-worker  # the worker node again
 #   ray-cluster/test-cluster.sh stop
 set -euo pipefail
@@ -68,7 +68,10 @@ print(*project["dependencies"], *project["optional-dependencies"]["s3"], sep="\n
     echo "Ray test cluster: 2 nodes; RAY_ADDRESS=http://$HEAD:$DASHBOARD_PORT"
     ;;
   kill-worker)
+    # Its raylet (whose workers and agents end with it) and its log monitor, which outlives the raylet, polling its
+    # folder: each kill and start-worker left one more behind.
     pkill -KILL -f "raylet.*--node_ip_address=$WORKER" && echo "killed the raylet of $WORKER"
+    pkill -KILL -f "log_monitor.py.*--session-dir=$ROOT/worker/" || true
     ;;
   start-worker)
     ray start --address=$HEAD:$GCS_PORT --node-ip-address=$WORKER --temp-dir="$ROOT/worker" "${NODE_OPTS[@]}" >>"$ROOT/worker.log" 2>&1

@@ -408,6 +408,11 @@ class Ray(Backend):
 
     def return_node(self, launch):
         subprocess.run([RAY_CLUSTER, "start-worker"], check=True, timeout=120)
+        # One log monitor on the worker's folder: one left by a lost node's raylet would send every line of the node
+        # back to the job's output once more (each line thrice after two losses) and poll the folder forever
+        folder = f"--session-dir={os.environ.get('RAY_TEST_CLUSTER', '/tmp/ray-test-cluster')}/worker/"
+        monitors = [p for p in os.listdir("/proc") if p.isdigit() and "log_monitor.py" in _cmdline(p) and folder in _cmdline(p)]
+        assert len(monitors) == 1, f"{len(monitors)} log monitors on the worker's folder: kill-worker left some behind"
 
     def rank_pid(self, launch, name):
         # Ray's workers run under the raylets; the cluster serves one test at a time (its lock)
