@@ -365,6 +365,34 @@ def two_process_ddp(tmp_path_factory) -> Path:
     return _reference_run(tmp_path_factory, "ddp", "trainer.procs_per_node=2", "data.batch_size=16")
 
 
+# The small GPT of the language-model tests: gpt_tiny cut to 2 layers of width 32, on `corpus`'s windows of 32.
+SMALL_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
+GPT_PIPELINE = ["model._target_=train.models.gpt.GPTPipeline", "~model.tie_weights"]  # the GPT as nn.Sequential
+
+
+def small_gpt(corpus: Path) -> list[str]:
+    return [*FAST, "+experiment=gpt_tiny", "data=tokens", f"data.root={corpus}", *SMALL_GPT, "trainer.eval_every=0",
+            "trainer.log_every=4"]
+
+
+# 1 process with the global batch of 32 for 12 steps, a checkpoint every 4 and evaluated at step 8 and at the end:
+# what the GPT's parallel layouts reach (tests/test_gpt.py, tests/test_layouts.py)
+GPT_ONE = ["trainer.procs_per_node=1", "data.batch_size=32", "trainer.max_steps=12", "trainer.eval_every_steps=8",
+           "checkpoint.every_steps=4"]
+
+
+@pytest.fixture(scope="session")
+def gpt_one_process(corpus, tmp_path_factory) -> Path:
+    """The run directory of GPT_ONE (read-only)."""
+    return _reference_run(tmp_path_factory, "gpt-one", *GPT_ONE, base=small_gpt(corpus))
+
+
+@pytest.fixture(scope="session")
+def gpt_pipeline_one_process(corpus, tmp_path_factory) -> Path:
+    """The run directory of GPT_ONE for GPTPipeline, the pipelines' reference (read-only)."""
+    return _reference_run(tmp_path_factory, "gpt-pipeline-one", *GPT_PIPELINE, *GPT_ONE, base=small_gpt(corpus))
+
+
 # AdamW, dropout, augmentation, gradient clipping, accumulation: every piece of state that resume must restore.
 RESUME = [
     *FAST,

@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAST, REPO, final_checkpoint, read_metrics, run_cli
+from conftest import FAST, REPO, SMALL_GPT, final_checkpoint, read_metrics, run_cli
 from train.tasks import Classification, LanguageModeling, ModelLoss
 
 HF = REPO / "tests" / "foreign" / "huggingface"
-SMALL_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
 # Windows whose first 0..30 targets are a prompt that does not count (tests/foreign/huggingface/text_data.py).
 MASKED = {
     "model_loss": ["--config-dir", "conf", "+experiment=hf_gpt2", "data.train._target_=text_data.MaskedPrompts"],

@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FAST, REPO, final_checkpoint, read_metrics, run_cli
+from conftest import FAST, GPT_PIPELINE, REPO, SMALL_GPT, final_checkpoint, read_metrics, run_cli, small_gpt
 from train.models.gpt import GPT
 from train.step import SavedActivations
 from train.data.tokens import TokenWindows
 
-SMALL_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
@@ -30,9 +29,8 @@ def ddp_run(corpus, tmp_path_factory):
 
 
 def gpt_run(corpus, run_dir, *overrides: str, cwd=None):
-    base = [*FAST, "+experiment=gpt_tiny", "data=tokens", f"data.root={corpus}", *SMALL_GPT, "data.batch_size=16",
-            "trainer.eval_every=0", "trainer.log_every=4", "trainer.max_steps=12"]
-    return run_cli("launcher", *base, *overrides, f"hydra.run.dir={run_dir}", cwd=cwd or run_dir.parent)
+    return run_cli("launcher", *small_gpt(corpus), "data.batch_size=16", "trainer.max_steps=12", *overrides,
+                   f"hydra.run.dir={run_dir}", cwd=cwd or run_dir.parent)
 
 
 def test_flops_per_token_is_the_hand_count():
@@ -78,9 +76,9 @@ def test_token_windows_are_the_file_read_in_order(tmp_path):
     assert inputs.dtype == torch.int64
 
 
-def test_gpt_ddp_matches_one_process_and_fsdp_checkpointing_and_compile_match_ddp(corpus, ddp_run, tmp_path):
+def test_gpt_ddp_matches_one_process_and_fsdp_checkpointing_and_compile_match_ddp(corpus, ddp_run, gpt_one_process,
+                                                                                   tmp_path):
     runs = {
-        "one": ["trainer.procs_per_node=1", "data.batch_size=32"],
         "fsdp_ac": ["trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.activation_checkpointing=true"],
         # each block compiled, 2 micro-batches of 8 per step: the same global batch of 32
         "fsdp_compiled": ["trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.compile=true",
@@ -89,7 +87,8 @@ def test_gpt_ddp_matches_one_process_and_fsdp_checkpointing_and_compile_match_dd
     for name, overrides in runs.items():
         proc = gpt_run(corpus, tmp_path / name, *overrides)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
-    one, fsdp_ac, compiled = (final_checkpoint(tmp_path / n)["model"] for n in runs)
+    fsdp_ac, compiled = (final_checkpoint(tmp_path / n)["model"] for n in runs)
+    one = final_checkpoint(gpt_one_process)["model"]
     # the same micro-batch of 16 per rank: ddp keeps every block's activations, checkpointing only the blocks' inputs
     [plain_memory], [checkpointed_memory] = ([r for r in read_metrics(run) if r["kind"] == "memory"]
                                              for run in (ddp_run[0], tmp_path / "fsdp_ac"))
@@ -104,19 +103,19 @@ def test_gpt_ddp_matches_one_process_and_fsdp_checkpointing_and_compile_match_dd
     assert json.loads((tmp_path / "fsdp_compiled" / "plan.json").read_text())["compile_workers_per_process"] == 1
 
 
-def test_a_two_stage_pipeline_of_the_gpt_reaches_one_process(corpus, tmp_path):
+def test_a_two_stage_pipeline_of_the_gpt_reaches_one_process(corpus, gpt_pipeline_one_process, tmp_path):
     """GPTPipeline: embedding, 2 blocks, head as an nn.Sequential, cut into 2 stages of 2 children each; gradient
     accumulation (2 micro-steps of 2 microbatches) on the pipeline against one process's whole batch."""
-    pipeline = ["model._target_=train.models.gpt.GPTPipeline", "~model.tie_weights"]
-    one = gpt_run(corpus, tmp_path / "one", *pipeline, "trainer.procs_per_node=1", "data.batch_size=32")
-    staged = gpt_run(corpus, tmp_path / "staged", *pipeline, "trainer.procs_per_node=2", "trainer.strategy=pipeline",
+    staged = gpt_run(corpus, tmp_path / "staged", *GPT_PIPELINE, "trainer.procs_per_node=2", "trainer.strategy=pipeline",
                      "data.batch_size=16", "trainer.accumulate=2", "trainer.microbatches=2")
-    assert one.returncode == 0 and staged.returncode == 0, staged.stderr[-2000:]
-    a, b = final_checkpoint(tmp_path / "one")["model"], final_checkpoint(tmp_path / "staged")["model"]
+    assert staged.returncode == 0, staged.stderr[-2000:]
+    a, b = final_checkpoint(gpt_pipeline_one_process)["model"], final_checkpoint(tmp_path / "staged")["model"]
     assert a.keys() == b.keys() and "0.wte.weight" in a and "3.head.weight" in a  # the stages put together
     for name in a:
         torch.testing.assert_close(b[name], a[name], **TOLERANCE, msg=f"pipeline: {name} differs from one process")
-    [one_eval], [staged_eval] = ([r for r in read_metrics(tmp_path / n) if r["kind"] == "eval"] for n in ("one", "staged"))
+    one_eval = [r for r in read_metrics(gpt_pipeline_one_process) if r["kind"] == "eval"][-1]  # step 12's
+    [staged_eval] = [r for r in read_metrics(tmp_path / "staged") if r["kind"] == "eval"]
+    assert staged_eval["step"] == one_eval["step"] == 12
     assert staged_eval["loss"] == pytest.approx(one_eval["loss"], rel=1e-5)  # scored by the last stage
 
 

@@ -10,31 +10,19 @@ import shutil
 import pytest
 import torch
 
-from conftest import FAST, REPO, read_metrics, run_cli
+from conftest import GPT_PIPELINE, REPO, read_metrics, run_cli, small_gpt
 from test_config import problems
 from train.parallel.layout import Layout, LayoutError, layout_of
 from train.config import TrainerConfig
 
-SMALL_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def gpt_run(corpus, run_dir, *overrides: str):
-    base = [*FAST, "+experiment=gpt_tiny", "data=tokens", f"data.root={corpus}", *SMALL_GPT, "trainer.eval_every=0",
-            "trainer.log_every=4", "trainer.grad_clip=1.0", "checkpoint.every_steps=4"]
-    proc = run_cli("launcher", *base, *overrides, f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
+    proc = run_cli("launcher", *small_gpt(corpus), "checkpoint.every_steps=4", *overrides, f"hydra.run.dir={run_dir}",
+                   cwd=run_dir.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
-
-
-@pytest.fixture(scope="module")
-def one_process(corpus, tmp_path_factory):
-    """The small GPT on 1 process with batch 32 for 12 steps, evaluated at step 8 and at the end: what the layouts
-    below reach (read-only)."""
-    run_dir = tmp_path_factory.mktemp("one") / "run"
-    gpt_run(corpus, run_dir, "trainer.procs_per_node=1", "data.batch_size=32", "trainer.max_steps=12",
-            "trainer.eval_every_steps=8")
-    return run_dir
 
 
 def weights(run_dir, step: int) -> dict:
@@ -99,10 +87,10 @@ def test_a_layout_or_a_plan_that_does_not_fit_is_refused_before_start(tmp_path):
                  "+trainer.tp_plan={fc*: colwise}", run_dir=tmp_path)
 
 
-def test_tp2_reaches_one_process_and_its_checkpoint_resumes_as_one_process(corpus, one_process, tmp_path):
+def test_tp2_reaches_one_process_and_its_checkpoint_resumes_as_one_process(corpus, gpt_one_process, tmp_path):
     """AdamW with clipping, 8 steps split 2 ways (the same batch on both ranks of the tp group) against 1 process;
     then the sharded checkpoint of step 8 resumed by 1 process to step 12, against the straight run."""
-    one = one_process
+    one = gpt_one_process
     tp = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.tp=2",
                  "data.batch_size=32", "trainer.max_steps=8")
     assert "plan: 2 processes (fsdp, 2 tp)" in tp.stdout and "1 replicas" in tp.stdout
@@ -126,37 +114,36 @@ def test_tp2_reaches_one_process_and_its_checkpoint_resumes_as_one_process(corpu
     assert evals(tmp_path / "sp")[8] == pytest.approx(evals(one)[8], rel=1e-6)
 
 
-def test_tp2_by_fsdp2_reaches_one_process_and_resumes_as_fsdp_on_4_and_as_one_process(corpus, one_process, tmp_path):
+def test_tp2_by_fsdp2_reaches_one_process_and_resumes_as_fsdp_on_4_and_as_one_process(corpus, gpt_one_process, tmp_path):
     """4 processes: tp groups {0,1} and {2,3}, each reading half the batch, sharded (or copied) over the other
     dimension. The reference is one process with the global batch (ddp's 4 x 8 is it: test_gpt, test_counting)."""
     layered = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "trainer.tp=2",
                       "trainer.fsdp_replicate=1", "data.batch_size=16", "trainer.max_steps=8")
     assert "plan: 4 processes (fsdp, 2 dp_shard x 2 tp)" in layered.stdout
-    assert_same(weights(one_process, 8), weights(tmp_path / "tp", 8), "tp=2 x fsdp=2 at step 8")
+    assert_same(weights(gpt_one_process, 8), weights(tmp_path / "tp", 8), "tp=2 x fsdp=2 at step 8")
     shutil.copytree(tmp_path / "tp", tmp_path / "tp_then_one")  # the same checkpoint, resumed by one process too
     alone = gpt_run(corpus, tmp_path / "tp_then_one", "trainer.procs_per_node=1", "checkpoint.format=dcp",
                     "data.batch_size=32", "trainer.max_steps=12")
     assert "resumed at step 8" in alone.stdout
-    assert_same(weights(one_process, 12), weights(tmp_path / "tp_then_one", 12), "resumed as 1 process")
+    assert_same(weights(gpt_one_process, 12), weights(tmp_path / "tp_then_one", 12), "resumed as 1 process")
     resumed = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "data.batch_size=8",
                       "trainer.max_steps=12")
     assert "resumed at step 8" in resumed.stdout
-    assert_same(weights(one_process, 12), weights(tmp_path / "tp", 12), "resumed as fsdp=4")
+    assert_same(weights(gpt_one_process, 12), weights(tmp_path / "tp", 12), "resumed as fsdp=4")
     # ddp's layout with tp: 2 whole copies (HSDP with shards of one), what the refusal of tp under ddp points to.
     copies = gpt_run(corpus, tmp_path / "copies", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "trainer.tp=2",
                      "trainer.fsdp_replicate=2", "data.batch_size=16", "trainer.max_steps=8")
     assert "plan: 4 processes (fsdp, 2 dp_replicate x 2 tp)" in copies.stdout
-    assert_same(weights(one_process, 8), weights(tmp_path / "copies", 8), "tp=2 x 2 copies at step 8")
+    assert_same(weights(gpt_one_process, 8), weights(tmp_path / "copies", 8), "tp=2 x 2 copies at step 8")
 
 
-def test_a_two_stage_pipeline_copied_sharded_or_split_reaches_one_process(corpus, tmp_path):
+def test_a_two_stage_pipeline_copied_sharded_or_split_reaches_one_process(corpus, gpt_pipeline_one_process, tmp_path):
     """4 processes as 2 stages x 2: copies of the pipeline (a stage's copies average their gradients), its stages
     sharded over the 2 (FSDP2 per stage), or each stage's layers split 2 ways (tp). Clipping by the norm over both
     stages, each piece counted once."""
-    pipeline = ["model._target_=train.models.gpt.GPTPipeline", "~model.tie_weights", "trainer.max_steps=8",
-                "trainer.procs_per_node=4", "trainer.strategy=pipeline", "trainer.microbatches=2"]
-    gpt_run(corpus, tmp_path / "one", *pipeline, "trainer.procs_per_node=1", "trainer.strategy=ddp", "data.batch_size=32",
-            "trainer.max_steps=12", "trainer.eval_every_steps=8")
+    pipeline = [*GPT_PIPELINE, "trainer.max_steps=8", "trainer.procs_per_node=4", "trainer.strategy=pipeline",
+                "trainer.microbatches=2"]
+    one = gpt_pipeline_one_process
     layouts = {"copied": (["trainer.pp=2", "data.batch_size=16"], "2 pp x 2 dp_replicate", "16 x 2 replicas"),
                "sharded": (["trainer.pp=2", "trainer.pp_sharded=true", "data.batch_size=16"], "2 pp x 2 dp_shard",
                            "16 x 2 replicas"),
@@ -164,13 +151,13 @@ def test_a_two_stage_pipeline_copied_sharded_or_split_reaches_one_process(corpus
     for name, (overrides, layout, batch) in layouts.items():
         staged = gpt_run(corpus, tmp_path / name, *pipeline, *overrides)
         assert f"processes (pipeline, {layout}), global batch 32 ({batch} x 1 accumulation)" in staged.stdout
-        assert_same(weights(tmp_path / "one", 8), weights(tmp_path / name, 8), f"2 stages {layout}")
-        assert evals(tmp_path / name)[8] == pytest.approx(evals(tmp_path / "one")[8], rel=1e-5)
+        assert_same(weights(one, 8), weights(tmp_path / name, 8), f"2 stages {layout}")
+        assert evals(tmp_path / name)[8] == pytest.approx(evals(one)[8], rel=1e-5)
     # The split pipeline's sharded checkpoint (stages x tp) resumed by one process, without a pipeline.
     alone = gpt_run(corpus, tmp_path / "split", *pipeline, "trainer.procs_per_node=1", "trainer.strategy=ddp",
                     "checkpoint.format=dcp", "data.batch_size=32", "trainer.max_steps=12")
     assert "resumed at step 8" in alone.stdout
-    assert_same(weights(tmp_path / "one", 12), weights(tmp_path / "split", 12), "2 pp x 2 tp resumed by 1 process")
+    assert_same(weights(one, 12), weights(tmp_path / "split", 12), "2 pp x 2 tp resumed by 1 process")
 
 
 def test_a_users_own_plan_that_splits_heads_is_refused_by_the_heads_the_model_declares():
