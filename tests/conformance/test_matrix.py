@@ -661,16 +661,20 @@ def elastic(backend: Backend, mode: str, run_dir: Path, reference) -> None:
 JOINS = "another node restarted its workers (or a node joins)"  # a running node's agent, seeing the newcomer
 
 
+def hold_file(run_dir: Path) -> Path:
+    return run_dir.parent / "hold"
+
+
 def held(run_dir: Path) -> dict[str, str]:
-    """SLOWER, and the run's data reads held while RUN_DIR's sibling "hold" exists (while_held)."""
-    return {**SLOWER, "POINTS_HOLD": str(run_dir.parent / "hold")}
+    """SLOWER, and the run's data reads held while its hold_file exists (while_held)."""
+    return {**SLOWER, "POINTS_HOLD": str(hold_file(run_dir))}
 
 
 def while_held(backend: Backend, launch: Launch, bring) -> None:
     """`bring(launch)` a node in while the running node's data reads wait, until its agent has seen the node: the
     node's start (a Ray worker: ~10 s, over 40 s on a busy CI machine) may otherwise outlast the rest of the run,
     which then ends alone. The running ranks wait inside a read, within trainer.hang_timeout_s (300 s)."""
-    hold = launch.run_dir.parent / "hold"
+    hold = hold_file(launch.run_dir)
     seen = backend.progress(launch).count(JOINS)
     hold.touch()
     try:
