@@ -19,6 +19,13 @@ from pathlib import Path
 
 import pytest
 
+# OpenMP's threads spin for a while at the end of each parallel region, waiting for the next one: on a machine with
+# spare cores that saves a wake-up, on this 2-core machine running three test files at once it burns the CPU the
+# other processes wait for. A rank or test process with 2 threads (the benchmarks, one-process runs) took ~3x its
+# CPU beside a busy neighbour (the GPT benchmark's smoke test: 44 s against 15 s with PASSIVE, 2026-11-29). Set
+# before torch loads libgomp, here and in every process the tests start; results do not depend on it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from train.host import descendants  # noqa: F401  (the tests' name for it)
 import torch
 from ci_clusters import cluster_started, ray_test_done, ray_tests  # noqa: F401 (cluster_started: the tests' name)
