@@ -88,14 +88,18 @@ def test_a_layout_or_a_plan_that_does_not_fit_is_refused_before_start(tmp_path):
 
 
 def test_tp2_reaches_one_process_and_its_checkpoint_resumes_as_one_process(corpus, gpt_one_process, tmp_path):
-    """AdamW with clipping, 8 steps split 2 ways (the same batch on both ranks of the tp group) against 1 process;
-    then the sharded checkpoint of step 8 resumed by 1 process to step 12, against the straight run."""
+    """AdamW with clipping, 8 steps split 2 ways (the same batch on both ranks of the tp group) against 1 process,
+    with sequence parallelism (the residual stream cut along the sequence, the tied vocabulary table split by rows)
+    and loss parallelism (the logits left split by vocabulary for the cross-entropy); then the sharded checkpoint of
+    step 8 resumed by 1 process to step 12, against the straight run. Plain tp: test_tp2_by_fsdp2_..., the split
+    pipeline."""
     one = gpt_one_process
     tp = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.tp=2",
-                 "data.batch_size=32", "trainer.max_steps=8")
+                 "trainer.sequence_parallel=true", "trainer.loss_parallel=true", "data.batch_size=32",
+                 "trainer.max_steps=8")
     assert "plan: 2 processes (fsdp, 2 tp)" in tp.stdout and "1 replicas" in tp.stdout
     assert "the model was built on the meta device" in tp.stderr  # each rank filled in its tp x fsdp pieces only
-    assert_same(weights(one, 8), weights(tmp_path / "tp", 8), "tp=2 at step 8")
+    assert_same(weights(one, 8), weights(tmp_path / "tp", 8), "tp=2 with sequence and loss parallelism at step 8")
     assert evals(tmp_path / "tp")[8] == pytest.approx(evals(one)[8], rel=1e-6)  # exact evaluation
     train = [r for r in read_metrics(tmp_path / "tp") if r["kind"] == "train"]
     reference = [r for r in read_metrics(one) if r["kind"] == "train"]
@@ -106,15 +110,8 @@ def test_tp2_reaches_one_process_and_its_checkpoint_resumes_as_one_process(corpu
     assert "resumed at step 8" in resumed.stdout
     assert_same(weights(one, 12), weights(tmp_path / "tp", 12), "tp=2 resumed by 1 process")
 
-    # Sequence parallel (the residual stream cut along the sequence, the tied vocabulary table split by rows) and
-    # loss parallel (the logits left split by vocabulary for the cross-entropy).
-    gpt_run(corpus, tmp_path / "sp", "trainer.procs_per_node=2", "trainer.strategy=fsdp", "trainer.tp=2",
-            "trainer.sequence_parallel=true", "trainer.loss_parallel=true", "data.batch_size=32", "trainer.max_steps=8")
-    assert_same(weights(one, 8), weights(tmp_path / "sp", 8), "tp=2 with sequence and loss parallelism")
-    assert evals(tmp_path / "sp")[8] == pytest.approx(evals(one)[8], rel=1e-6)
 
-
-def test_tp2_by_fsdp2_reaches_one_process_and_resumes_as_fsdp_on_4_and_as_one_process(corpus, gpt_one_process, tmp_path):
+def test_tp2_by_fsdp2_reaches_one_process_and_resumes_as_fsdp_on_2_and_as_one_process(corpus, gpt_one_process, tmp_path):
     """4 processes: tp groups {0,1} and {2,3}, each reading half the batch, sharded (or copied) over the other
     dimension. The reference is one process with the global batch (ddp's 4 x 8 is it: test_gpt, test_counting)."""
     layered = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "trainer.tp=2",
@@ -126,10 +123,11 @@ def test_tp2_by_fsdp2_reaches_one_process_and_resumes_as_fsdp_on_4_and_as_one_pr
                     "data.batch_size=32", "trainer.max_steps=12")
     assert "resumed at step 8" in alone.stdout
     assert_same(weights(gpt_one_process, 12), weights(tmp_path / "tp_then_one", 12), "resumed as 1 process")
-    resumed = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "data.batch_size=8",
+    # The 2 x 2 shards resharded into fsdp's 2 (each rank reads pieces of both tp halves)
+    resumed = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=2", "trainer.strategy=fsdp", "data.batch_size=16",
                       "trainer.max_steps=12")
     assert "resumed at step 8" in resumed.stdout
-    assert_same(weights(gpt_one_process, 12), weights(tmp_path / "tp", 12), "resumed as fsdp=4")
+    assert_same(weights(gpt_one_process, 12), weights(tmp_path / "tp", 12), "resumed as fsdp=2")
     # ddp's layout with tp: 2 whole copies (HSDP with shards of one), what the refusal of tp under ddp points to.
     copies = gpt_run(corpus, tmp_path / "copies", "trainer.procs_per_node=4", "trainer.strategy=fsdp", "trainer.tp=2",
                      "trainer.fsdp_replicate=2", "data.batch_size=16", "trainer.max_steps=8")
