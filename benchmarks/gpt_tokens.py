@@ -21,7 +21,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from benchmarks.overhead import REPO, machine, run
+from benchmarks.overhead import REPO, machine, run, stdlib_tokens
 from train.observe.metrics import read_records
 
 
@@ -81,15 +81,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{date.today()}  {machine()}  {args.procs} gloo processes, +experiment=gpt_tiny", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-gpt-") as tmp:
         scratch = Path(tmp)
-        root = REPO / "data" / "python_stdlib"
-        if args.smoke:  # 300 kB of the sources: the run's final evaluation over all of 700k tokens took most of it
-            from train.data.prepare_text import prepare, stdlib_sources
-
-            root = scratch / "corpus"
-            prepare(stdlib_sources(300_000), root)
         common = ["+experiment=gpt_tiny", f"trainer.procs_per_node={args.procs}", "trainer.progress=off",
                   "trainer.eval_every=0", "trainer.eval_every_steps=0", "checkpoint.every_steps=0",
-                  f"data.root={root}", *(["model.n_layer=1", "model.block_size=32"] if args.smoke else []), *extra]
+                  f"data.root={stdlib_tokens(args.smoke, scratch)}",
+                  *(["model.n_layer=1", "model.block_size=32"] if args.smoke else []), *extra]
         # The hand-written loop reads the resolved config our first run wrote (its snapshot): the same model, data
         # and optimizer, without a launch of its own to write one (rep 0 runs ours first).
         snapshot = scratch / "ours-0" / "config.yaml"

@@ -136,6 +136,19 @@ def bench(name: str, regime: Regime, procs: int, reps: int, scratch: Path, extra
     return figures
 
 
+def stdlib_tokens(smoke: bool, scratch: Path) -> Path:
+    """data.root for the tiny GPT's runs: the preset's whole standard-library corpus, or for a smoke run 300 kB of it
+    prepared in `scratch` (a run's final evaluation covers every validation window: 700k tokens took most of a
+    smoke run's time)."""
+    if not smoke:
+        return REPO / "data" / "python_stdlib"
+    from train.data.prepare_text import prepare, stdlib_sources
+
+    root = scratch / "corpus"
+    prepare(stdlib_sources(300_000), root)
+    return root
+
+
 def machine() -> str:
     model = ""
     if Path("/proc/cpuinfo").exists():
