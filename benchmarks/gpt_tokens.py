@@ -21,7 +21,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from benchmarks.overhead import REPO, machine, run, stdlib_tokens
+from benchmarks.overhead import REPO, gpt_tiny_corpus, machine, run
 from train.observe.metrics import read_records
 
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         scratch = Path(tmp)
         common = ["+experiment=gpt_tiny", f"trainer.procs_per_node={args.procs}", "trainer.progress=off",
                   "trainer.eval_every=0", "trainer.eval_every_steps=0", "checkpoint.every_steps=0",
-                  f"data.root={stdlib_tokens(args.smoke, scratch)}",
+                  f"data.root={gpt_tiny_corpus(args.smoke, scratch)}",
                   *(["model.n_layer=1", "model.block_size=32"] if args.smoke else []), *extra]
         # The hand-written loop reads the resolved config our first run wrote (its snapshot): the same model, data
         # and optimizer, without a launch of its own to write one (rep 0 runs ours first).

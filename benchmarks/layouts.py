@@ -21,7 +21,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from benchmarks.overhead import machine, run, stdlib_tokens
+from benchmarks.overhead import gpt_tiny_corpus, machine, run
 from train.observe.metrics import read_records
 
 LAYOUTS = {  # name -> (processes, overrides)
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-layouts-") as tmp:
         common = ["+experiment=gpt_tiny", "trainer.progress=off", "trainer.eval_every=0", "trainer.eval_every_steps=0",
                   "checkpoint.every_steps=0", "trainer.log_every=2" if args.smoke else "trainer.log_every=10",
-                  f"data.root={stdlib_tokens(args.smoke, Path(tmp))}",
+                  f"data.root={gpt_tiny_corpus(args.smoke, Path(tmp))}",
                   *(["model.n_layer=1", "model.block_size=32"] if args.smoke else []), *extra]
         for name, (procs, overrides) in layouts.items():
             runs = [measure(Path(tmp) / f"{name.replace(' ', '_')}-{rep}", procs, overrides, common, steps, warmup)

@@ -136,7 +136,7 @@ def bench(name: str, regime: Regime, procs: int, reps: int, scratch: Path, extra
     return figures
 
 
-def stdlib_tokens(smoke: bool, scratch: Path) -> Path:
+def gpt_tiny_corpus(smoke: bool, scratch: Path) -> Path:
     """data.root for the tiny GPT's runs: the preset's whole standard-library corpus, or for a smoke run 300 kB of it
     prepared in `scratch` (a run's final evaluation covers every validation window: 700k tokens took most of a
     smoke run's time)."""
