@@ -123,7 +123,7 @@ def test_tp2_by_fsdp2_reaches_one_process_and_resumes_as_fsdp_on_2_and_as_one_pr
                     "data.batch_size=32", "trainer.max_steps=12")
     assert "resumed at step 8" in alone.stdout
     assert_same(weights(gpt_one_process, 12), weights(tmp_path / "tp_then_one", 12), "resumed as 1 process")
-    # The 2 x 2 shards resharded into fsdp's 2 (each rank reads pieces of both tp halves)
+    # The 2 dp_shard x 2 tp pieces resharded into fsdp's 2 shards
     resumed = gpt_run(corpus, tmp_path / "tp", "trainer.procs_per_node=2", "trainer.strategy=fsdp", "data.batch_size=16",
                       "trainer.max_steps=12")
     assert "resumed at step 8" in resumed.stdout
