@@ -200,7 +200,8 @@ def test_the_readmes_smallest_example_trains_as_written(tmp_path):
 def test_the_project_runs_under_plain_torchrun_from_the_snapshot(project, tmp_path):
     run_dir = tmp_path / "run"
     dry = launch_in(project, *PLAIN, "launcher.dry_run=true", f"hydra.run.dir={run_dir}")
-    assert dry.returncode == 0
+    assert dry.returncode == 0 and "dry run: nothing started" in dry.stdout
+    assert (run_dir / "config.yaml").exists() and not (run_dir / "checkpoints").exists()
     # From the project's directory (its own train.py there): python -P keeps the working directory off the path;
     # the project's modules come from the snapshot's import_path.
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
@@ -209,6 +210,8 @@ def test_the_project_runs_under_plain_torchrun_from_the_snapshot(project, tmp_pa
     print(proc.stdout, proc.stderr)
     assert proc.returncode == 0
     assert final_checkpoint(run_dir)["step"] == 12 and "blocks.0.norm.weight" in final_checkpoint(run_dir)["model"]
+    plan = json.loads((run_dir / "plan.json").read_text())  # planned by the ranks themselves, in torchrun's world
+    assert plan["world_size"] == 2 and plan["global_batch"] == final_checkpoint(run_dir)["global_batch"] == 64
 
 
 def test_an_image_folder_trains_with_loader_workers(tmp_path):

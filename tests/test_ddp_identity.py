@@ -13,13 +13,16 @@ from conftest import IDENTITY, RESUME, final_checkpoint, read_metrics
 from train.models.vision import mlp
 
 @pytest.mark.parametrize("batch,accumulate", [(16, 1), (8, 2)])
-def test_two_processes_match_one_process_with_the_global_batch(launch, tmp_path, one_process_batch_32, batch, accumulate):
-    proc = launch(
-        *IDENTITY, "trainer.procs_per_node=2", f"data.batch_size={batch}", f"trainer.accumulate={accumulate}",
-        f"hydra.run.dir={tmp_path / 'run'}",
-    )
-    assert proc.returncode == 0
-    ddp = final_checkpoint(tmp_path / "run")
+def test_two_processes_match_one_process_with_the_global_batch(launch, tmp_path, one_process_batch_32, two_process_ddp,
+                                                               batch, accumulate):
+    if accumulate == 1:  # IDENTITY on 2 x 16: the shared reference run that other files compare with (conftest.py)
+        run_dir = two_process_ddp
+    else:
+        run_dir = tmp_path / "run"
+        proc = launch(*IDENTITY, "trainer.procs_per_node=2", f"data.batch_size={batch}", f"trainer.accumulate={accumulate}",
+                      f"hydra.run.dir={run_dir}")
+        assert proc.returncode == 0
+    ddp = final_checkpoint(run_dir)
     single = one_process_batch_32
     assert ddp["step"] == single["step"] == 24
     assert ddp["global_batch"] == single["global_batch"] == 32

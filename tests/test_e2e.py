@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import torch
-from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
@@ -110,26 +109,6 @@ def test_two_runs_at_once_do_not_clash_on_ports(tmp_path):
     marked = [r["step"] for r in read_metrics(tmp_path / "a") if r["kind"] == "train" and r.get("profiled")]
     assert marked == [16]  # the record of steps 9-16
     assert not (tmp_path / "b" / "profile").exists()
-
-
-def test_snapshot_runs_under_plain_torchrun(launch, tmp_path):
-    """`python -m train RUN_DIR/config.yaml` is a complete rank: torchrun users skip the launcher entirely."""
-    run_dir = tmp_path / "run"
-    overrides = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=2", "trainer.epochs=2"]
-    dry = launch(*overrides, "launcher.dry_run=true", f"hydra.run.dir={run_dir}")
-    assert dry.returncode == 0 and "dry run: nothing started" in dry.stdout
-    assert not (run_dir / "checkpoints").exists()
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train", str(run_dir / "config.yaml")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )
-    print(proc.stdout, proc.stderr)
-    assert proc.returncode == 0
-    evals = [r for r in read_metrics(run_dir) if r["kind"] == "eval"]
-    assert len(evals) == 2 and evals[-1]["acc"] > 0.5
-    plan = OmegaConf.load(run_dir / "plan.json")
-    assert plan.world_size == 2 and plan.global_batch == 64
 
 
 def test_bf16_autocast_trains_on_cpu(launch, tmp_path):

@@ -219,15 +219,6 @@ def test_two_nodes_when_the_first_nodes_group_is_gone_the_other_finishes_and_the
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
 
 
-def test_a_group_that_never_returns_leaves_the_other_to_finish(tmp_path, launch):
-    run_dir = tmp_path / "run"
-    proc = launch(*GROUPS, "launcher.max_restarts=0", f"hydra.run.dir={run_dir}", env=killed(group=1, step=5))
-    assert proc.returncode == 0
-    assert "replica group(s) [1] failed for good; the others finished the run" in proc.stderr
-    assert final_checkpoint(run_dir)["step"] == 24
-    assert [r["participants"] for r in read_metrics(run_dir) if r["kind"] == "train"][-1] == 1
-
-
 def test_a_group_0_that_never_returns_leaves_the_other_to_finish_and_to_write_the_checkpoints(tmp_path, launch):
     """Group 0 wrote the run's checkpoints and status alone: gone for good at step 5, the other group trained to the
     end and the run finished with no checkpoint of it. The first group of each step's quorum writes."""

@@ -40,15 +40,26 @@ def launch_traced(tmp_path, *overrides: str, env: dict) -> tuple[int, int, str]:
     return proc.pid, proc.returncode, err
 
 
-def test_each_rank_and_its_restart_is_a_fresh_interpreter_of_the_launchers_agent(tmp_path):
+def test_each_rank_and_its_restart_is_a_fresh_interpreter_of_the_launchers_agent_and_its_output_is_kept(tmp_path):
+    """Every rank's stdout and stderr go to RUN_DIR/logs/.../attempt_N/<local rank>/ (torchrun's --log-dir,
+    --redirects, --tee); the console shows the ranks asked for, each line prefixed with its rank. Before, nothing was
+    kept but a failed rank's error file, and every rank wrote straight to the console."""
+    run_dir = tmp_path / "run"
     env = traced(**fault_env("kill", rank=1, step=5))
-    pid, code, err = launch_traced(tmp_path, *RUN, "launcher.max_restarts=1", f"hydra.run.dir={tmp_path / 'run'}", env=env)
+    pid, code, err = launch_traced(tmp_path, *RUN, "launcher.max_restarts=1", "launcher.console_ranks=[0]",
+                                   f"hydra.run.dir={run_dir}", env=env)
     assert code == 0 and "rank 1 failed, killed by SIGKILL" in err  # the cause, then the restart
-    ranks = starts(err)
+    kept = {path.relative_to(run_dir).parts[-3:-1]: path.read_text() for path in run_dir.glob("logs/*/attempt_*/*/stderr.log")}
+    ranks = starts("".join(kept.values()))  # each attempt's, from its own files
     assert sorted((r["rank"], r["attempt"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(f"[start rank {rank} attempt {attempt[-1]}]" in text for (attempt, rank), text in kept.items())
     assert {r["parent"] for r in ranks} == {pid}  # the agent runs in the launcher: no process between them
     assert not any(r["preloaded"] for r in ranks)  # nothing of torch was there before the rank's own start-up ran
-    assert final_checkpoint(tmp_path / "run")["step"] == 64
+    assert final_checkpoint(run_dir)["step"] == 64
+    assert "[rank0]:[start rank 0 attempt 0]" in err and "[start rank 1" not in err  # rank 1: its files only
+    shown = subprocess.run([sys.executable, "-m", "launcher.jobs", "logs", str(run_dir), "--task", "1", "--err"],
+                           capture_output=True, text=True)
+    assert shown.returncode == 0 and "[start rank 1 attempt 1]" in shown.stdout, shown  # the latest attempt's
 
 
 # A package "installed" in a site-packages folder (as a transformers or timm model is): at its import it reads its
@@ -155,23 +166,6 @@ def zombie(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
-
-
-def test_every_ranks_output_is_kept_and_the_console_shows_the_ranks_asked_for(tmp_path):
-    """Every rank's stdout and stderr go to RUN_DIR/logs/.../attempt_N/<local rank>/ (torchrun's --log-dir, --redirects,
-    --tee); the console shows the ranks asked for, each line prefixed with its rank. Before, nothing was kept but a
-    failed rank's error file, and every rank wrote straight to the console."""
-    run_dir = tmp_path / "run"
-    pid, code, err = launch_traced(tmp_path, *RUN, "trainer.max_steps=4", "launcher.console_ranks=[0]",
-                                   f"hydra.run.dir={run_dir}", env=traced())
-    assert code == 0, err[-2000:]
-    [attempt] = run_dir.glob("logs/*/attempt_0")
-    for rank in (0, 1):
-        assert f"[start rank {rank} attempt 0]" in (attempt / str(rank) / "stderr.log").read_text()
-    assert "[rank0]:[start rank 0 attempt 0]" in err and "[start rank 1" not in err  # rank 1: its file only
-    shown = subprocess.run([sys.executable, "-m", "launcher.jobs", "logs", str(run_dir), "--task", "1", "--err"],
-                           capture_output=True, text=True)
-    assert shown.returncode == 0 and "[start rank 1 attempt 0]" in shown.stdout, shown  # python -m launcher.jobs logs
 
 
 WAITS_FOR_THE_READER = """
