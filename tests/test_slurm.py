@@ -129,8 +129,11 @@ def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(clu
     assert f"eval  step {plan['total_steps']}" in logs.stdout
 
 
-# Long enough (~640 steps of a wider MLP) that the warning surely lands mid-run.
-LONG_JOB = [*JOB, "trainer.epochs=20", "model.hidden=[512,512]", "trainer.log_every=10"]
+# Long enough that the warning surely lands mid-run: 192 steps of a wider MLP, each made 50 ms longer by a sleep
+# (tests/faults: STEP_DELAY_MS; ~10 s of a job, where 640 undelayed steps took as long and 2.5 times the CPU).
+LONG_EPOCHS = 6
+LONG_JOB = [*JOB, f"trainer.epochs={LONG_EPOCHS}", "model.hidden=[512,512]", "trainer.log_every=10"]
+SLOWED = {"PYTHONPATH": str(FAULTS_DIR), "STEP_DELAY_MS": "50"}
 
 
 @pytest.fixture
@@ -145,11 +148,12 @@ def no_accounting(tmp_path) -> dict:
 
 def test_the_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_weights(cluster, launch, tmp_path, no_accounting):
     reference = tmp_path / "reference"
-    blocking = launch(*LONG_JOB, "launcher.wait=true", f"hydra.run.dir={reference}", timeout=300, env=no_accounting)
+    blocking = launch(*LONG_JOB, "launcher.wait=true", f"hydra.run.dir={reference}", timeout=300,
+                      env={**no_accounting, **SLOWED})
     assert blocking.returncode == 0 and "ended: COMPLETED" in blocking.stdout  # launcher.wait blocks to the end
 
     run_dir = tmp_path / "preempted"
-    proc = launch(*LONG_JOB, f"hydra.run.dir={run_dir}")
+    proc = launch(*LONG_JOB, f"hydra.run.dir={run_dir}", env=SLOWED)
     job_id = submitted_job_id(proc.stdout)
     wait_for(lambda: any(step >= 20 for step in logged_steps(run_dir)), 180, "training")
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # what SLURM sends before a time limit
@@ -167,7 +171,7 @@ def test_the_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_weigh
     wait_until_ended([job_id], run_dir)
     assert recorded_jobs(run_dir) == [job_id]  # the refused launches submitted nothing
     assert not (run_dir / "lease.json").exists()  # released at the job's clean end
-    after = launch(*LONG_JOB, "trainer.epochs=21", "launcher.dry_run=true", f"hydra.run.dir={run_dir}", env=no_accounting)
+    after = launch(*LONG_JOB, f"trainer.epochs={LONG_EPOCHS + 1}", "launcher.dry_run=true", f"hydra.run.dir={run_dir}", env=no_accounting)
     assert after.returncode == 0 and "start     resume from the newest loadable checkpoint" in after.stdout
 
     err = (slurm_folder(run_dir) / f"{job_id}_0_log.err").read_text()
@@ -186,7 +190,7 @@ def test_a_preemption_sigterm_saves_requeues_and_the_job_resumes(cluster, launch
     """A real preemption: a job on the higher-priority partition takes both nodes. Without
     PreemptParameters=send_user_signal SLURM sends SIGTERM, not launcher.signal: the job must still requeue."""
     run_dir = tmp_path / "run"
-    job_id = submitted_job_id(launch(*LONG_JOB, f"hydra.run.dir={run_dir}").stdout)
+    job_id = submitted_job_id(launch(*LONG_JOB, f"hydra.run.dir={run_dir}", env=SLOWED).stdout)
     wait_for(lambda: any(step >= 20 for step in logged_steps(run_dir)), 180, "training")
     urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N2", f"--output={tmp_path / 'urgent.out'}",
                              "--wrap", "sleep 2"], capture_output=True, text=True, check=True).stdout.strip()
