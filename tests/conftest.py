@@ -45,6 +45,14 @@ def fault_env(kind: str, rank: int, step: int = 0) -> dict:
     return {"PYTHONPATH": path, "FAULT": kind, "FAULT_RANK": str(rank), "FAULT_STEP": str(step)}
 
 
+def slowed_steps(ms: int = 20) -> dict:
+    """Environment that makes every optimizer step of every rank sleep `ms` longer (tests/faults: STEP_DELAY_MS): for
+    a run that trains until the test ends it, whose ranks would otherwise compute flat out beside the other tests
+    while the test acts."""
+    path = os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "STEP_DELAY_MS": str(ms)}
+
+
 @contextlib.contextmanager
 def shared_lock(name: str, exclusive: bool):
     """A lock the test processes of one pytest-xdist run share (outside xdist: always granted). Taking it goes

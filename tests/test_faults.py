@@ -18,6 +18,7 @@ import torch
 
 import tracker_records
 from conftest import (FAST, IDENTITY, REPO, STRAIGHT, final_checkpoint, fault_env, kill_leftovers, logged_steps, process_named, read_metrics, run_cli,
+                      slowed_steps,
                       signalled_launch, wait_for)
 from train.observe.status import read_status
 from train.checkpoint import committed
@@ -477,7 +478,8 @@ def test_a_second_launch_into_a_running_run_dir_is_refused(launch, tmp_path):
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "launcher", *FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16",
                "trainer.max_steps=-1", "trainer.epochs=100000", f"hydra.run.dir={run_dir}"]  # runs until killed
-    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as first:
+    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, **slowed_steps()}) as first:
         try:
             wait_for(lambda: bool(logged_steps(run_dir)), timeout=120, what="the first run to train")
             second = launch(*FAST, *IDENTITY[1:], "trainer.procs_per_node=2", "data.batch_size=16", f"hydra.run.dir={run_dir}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 
-from conftest import FAST, final_checkpoint, logged_steps, read_metrics, wait_for
+from conftest import FAST, final_checkpoint, logged_steps, read_metrics, slowed_steps, wait_for
 
 SMALL = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=1", "trainer.log_every=2"]
 
@@ -46,7 +46,8 @@ def test_a_killed_launchers_workers_die_with_it_and_the_next_launch_takes_the_di
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "launcher", *SMALL, "trainer.procs_per_node=2", "trainer.epochs=100000",
                "checkpoint.every_steps=5", f"hydra.run.dir={run_dir}"]
-    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as first:
+    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, **slowed_steps()}) as first:
         try:
             wait_for(lambda: any(s >= 5 for s in logged_steps(run_dir)) and len(workers_of(run_dir)) == 2, 120,
                      "the first run to train")
@@ -292,7 +293,8 @@ def test_python_m_train_into_a_directory_a_launcher_holds_is_refused_before_it_w
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "launcher", *SMALL, "trainer.epochs=100000", "checkpoint.every_steps=5",
                f"hydra.run.dir={run_dir}"]
-    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as holder:
+    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, **slowed_steps()}) as holder:
         try:
             wait_for(lambda: any(s >= 5 for s in logged_steps(run_dir)), 120, "the holder to train")
             other = subprocess.run([sys.executable, "-m", "train", str(run_dir / "config.yaml")], cwd=tmp_path,

@@ -147,7 +147,7 @@ def test_a_killed_launcher_leaves_no_rank(tmp_path):
     run_dir = tmp_path / "run"
     with open(tmp_path / "stderr", "w") as stderr, subprocess.Popen(
             [sys.executable, "-m", "launcher", *RUN, "trainer.epochs=100000", f"hydra.run.dir={run_dir}"],
-            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr, env=traced()) as proc:
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr, env=traced(STEP_DELAY_MS="20")) as proc:
         try:
             wait_for(lambda: len(logged_steps(run_dir)) > 0, 120, "the run to train")
             ranks = starts((tmp_path / "stderr").read_text())

@@ -229,7 +229,7 @@ def _show(job_id: str) -> str:
 
 def test_cancel_is_reported_as_cancelled(cluster, launch, tmp_path):
     run_dir = tmp_path / "run"
-    proc = launch(*JOB, "trainer.epochs=100", f"hydra.run.dir={run_dir}")
+    proc = launch(*JOB, "trainer.epochs=100", f"hydra.run.dir={run_dir}", env=SLOWED)  # until cancelled, asleep
     job_id = submitted_job_id(proc.stdout)
     wait_for(lambda: state(job_id) == "RUNNING", timeout=120, what="the job to start")
     cancel = subprocess.run([sys.executable, "-m", "launcher.jobs", "cancel", str(run_dir)], capture_output=True, text=True, timeout=60)
