@@ -526,14 +526,14 @@ def test_a_scripts_job_names_the_rank_that_failed_by_itself_not_the_one_that_los
 
 
 def test_a_study_runs_its_trials_as_two_node_jobs_and_prunes_one_by_cancelling_its_job(cluster, launch, tmp_path):
-    """hydra/sweeper=optuna with launcher=slurm: four trials, each a two-node job that the study waits for
+    """hydra/sweeper=optuna with launcher=slurm: three trials, each a two-node job that the study waits for
     (launcher.wait=true). The median pruner reads a trial's evaluations from its run directory as the job writes them,
     and stops a trial with a useless lr by cancelling its job: its ranks save and stop, the study goes on. Without
     launcher.wait=true the study is refused before any job is submitted (every trial was a failure without a score)."""
     sweep_dir = tmp_path / "sweep"
     # The random sampler's seed 6 asks the good lr first, then useless ones (tests/test_study.py's pruner test)
     words = [*JOB, "-m", "hydra/sweeper=optuna", "hydra.sweeper.sampler=random", "hydra.sweeper.seed=6",
-             "hydra.sweeper.n_trials=4", "hydra.sweeper.pruner=median", "data.num_samples=1024", "data.batch_size=16",
+             "hydra.sweeper.n_trials=3", "hydra.sweeper.pruner=median", "data.num_samples=1024", "data.batch_size=16",
              "optim.lr=choice(0.3, 0.00001, 0.00002, 0.00003)", "trainer.eval_every_steps=8",
              f"hydra.sweep.dir={sweep_dir}"]
     refused = launch(*words, timeout=120)
@@ -548,7 +548,7 @@ def test_a_study_runs_its_trials_as_two_node_jobs_and_prunes_one_by_cancelling_i
 
     study = optuna.load_study(study_name="study", storage=JournalStorage(JournalFileBackend(str(sweep_dir / "study.journal"))))
     states = [t.state.name for t in study.trials]
-    assert len(states) == 4 and "PRUNED" in states and "COMPLETE" in states, (states, proc.stdout[-3000:])
+    assert len(states) == 3 and "PRUNED" in states and "COMPLETE" in states, (states, proc.stdout[-3000:])
     assert all(t.params["optim.lr"] < 0.001 for t in study.trials if t.state.name == "PRUNED")
     points = [p.parent for p in sweep_dir.glob("*/status.json")]
     assert points and all(recorded_jobs(p) for p in points)  # each trial a SLURM job
