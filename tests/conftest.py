@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -116,10 +117,20 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def pytest_collection_modifyitems(items):
     """pytest-xdist hands out the files in this order (`--no-loadscope-reorder`): the files of tests that use the Ray
     test cluster first, which stops after them (tests/ci_clusters.py), then the longest first, so that the workers
-    end together (tests/file_seconds.py, tests/lanes.py)."""
+    end together (tests/file_seconds.py, tests/lanes.py). Among the Ray files, those with the fewest other tests
+    first, and in each its Ray tests first: test_ray.py, then the conformance matrix's Ray cells, then its other
+    cells (the cluster's daemons idled beside those for ~6 minutes, 2026-11-29)."""
     order = {nodeid: i for i, nodeid in enumerate(longest_first([item.nodeid for item in items], measured()))}
-    on_ray = {nodeid.split("::", 1)[0] for nodeid in ray_tests(items)}
-    items.sort(key=lambda item: (item.nodeid.split("::", 1)[0] not in on_ray, order[item.nodeid]))
+    on_ray = ray_tests(items)
+    files = Counter(item.nodeid.split("::", 1)[0] for item in items)
+    off_ray = Counter(item.nodeid.split("::", 1)[0] for item in items if item.nodeid not in on_ray)
+    ray_files = {nodeid.split("::", 1)[0] for nodeid in on_ray}
+
+    def key(item):
+        file = item.nodeid.split("::", 1)[0]
+        return file not in ray_files, off_ray[file] / files[file], item.nodeid not in on_ray, order[item.nodeid]
+
+    items.sort(key=key)
 
 
 RAY_TESTS = pytest.StashKey[set]()
