@@ -14,7 +14,7 @@ import socket
 import pytest
 import torch
 
-from conftest import FAULTS_DIR, IDENTITY, final_checkpoint, read_metrics
+from conftest import FAULTS_DIR, IDENTITY, final_checkpoint, read_metrics, slowed_steps
 from train.checkpoint import committed
 from test_multinode import NEEDS_NAMESPACES, hosts_file, node, nodes
 
@@ -269,7 +269,7 @@ def test_a_closed_terminal_stops_every_group_with_its_checkpoint(tmp_path):
 
     run_dir = tmp_path / "run"
     proc, out, err = signalled_launch([*GROUPS, "trainer.max_steps=400"], run_dir, tmp_path, sig=signal.SIGHUP,
-                                      env={"STEP_DELAY_MS": "50", "PYTHONPATH": str(FAULTS_DIR)})
+                                      env=slowed_steps(50))
     assert proc.returncode == 128 + signal.SIGHUP, err[-3000:]
     saved = final_checkpoint(run_dir)
     assert 3 <= saved["step"] < 400 and f"stopped at step {saved['step']} with a checkpoint" in out

@@ -18,8 +18,7 @@ import torch
 
 import tracker_records
 from conftest import (FAST, IDENTITY, REPO, STRAIGHT, final_checkpoint, fault_env, kill_leftovers, logged_steps, process_named, read_metrics, run_cli,
-                      slowed_steps,
-                      signalled_launch, wait_for)
+                      signalled_launch, slowed_steps, wait_for)
 from train.observe.status import read_status
 from train.checkpoint import committed
 

@@ -5,7 +5,6 @@ reaches one process. Real processes, gloo: DTensor runs on CPU."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -16,7 +16,8 @@ from unittest import mock
 import pytest
 import torch
 
-from conftest import FAST, FAULTS_DIR, cluster_started, final_checkpoint, logged_steps, read_metrics, shared_lock
+from conftest import (FAST, FAULTS_DIR, cluster_started, final_checkpoint, logged_steps, read_metrics, shared_lock,
+                      slowed_steps)
 from conftest import wait_for as _wait_for
 from launcher.backends.slurm import Slurm, job_state
 from launcher.backends.slurm import recorded_jobs
@@ -133,7 +134,7 @@ def test_a_two_node_job_submits_returns_at_once_and_trains_across_both_nodes(clu
 # (tests/faults: STEP_DELAY_MS; ~10 s of a job, where 640 undelayed steps took as long and 2.5 times the CPU).
 LONG_EPOCHS = 6
 LONG_JOB = [*JOB, f"trainer.epochs={LONG_EPOCHS}", "model.hidden=[512,512]", "trainer.log_every=10"]
-SLOWED = {"PYTHONPATH": str(FAULTS_DIR), "STEP_DELAY_MS": "50"}
+SLOWED = slowed_steps(50)
 
 
 @pytest.fixture
@@ -539,8 +540,7 @@ def test_a_study_runs_its_trials_as_two_node_jobs_and_prunes_one_by_cancelling_i
     refused = launch(*words, timeout=120)
     assert refused.returncode != 0 and "add launcher.wait=true" in refused.stderr, refused.stderr[-2000:]
     assert not list(sweep_dir.glob("*/slurm"))  # nothing submitted
-    slowed = {"PYTHONPATH": str(FAULTS_DIR), "STEP_DELAY_MS": "50"}  # 96 steps: ~5 s a trial, the stop lands in it
-    proc = launch(*words, "launcher.wait=true", timeout=900, env=slowed)
+    proc = launch(*words, "launcher.wait=true", timeout=900, env=SLOWED)  # 96 steps: ~5 s a trial, the stop lands in it
     assert proc.returncode == 0, proc.stderr[-3000:]
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
@@ -573,7 +573,7 @@ def test_an_elastic_job_starts_on_the_nodes_free_and_resumes_on_more_after_its_r
         elastic = [*JOB, "model.dropout=0.0", "trainer.min_nodes=1", "trainer.max_steps=16", "trainer.log_every=1",
                    "data.batch_size=16"]
         run_dir = tmp_path / "elastic"
-        proc = launch(*elastic, f"hydra.run.dir={run_dir}", env={"PYTHONPATH": str(FAULTS_DIR), "STEP_DELAY_MS": "300"})
+        proc = launch(*elastic, f"hydra.run.dir={run_dir}", env=slowed_steps(300))
         assert proc.returncode == 0, proc.stderr[-3000:]
         job_id = submitted_job_id(proc.stdout)
         wait_for(lambda: any(step >= 3 for step in logged_steps(run_dir)), 180, "training on one node")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, final_checkpoint, run_cli, wait_for
+from conftest import FAST, final_checkpoint, run_cli, slowed_steps, wait_for
 from omegaconf import OmegaConf
 
 from train.observe.status import read_status
@@ -143,18 +143,15 @@ def test_a_pruner_stops_a_trial_whose_evaluations_fall_behind_as_a_stop_signal_s
     """The median pruner reads each trial's evaluations as the run writes them (every 4 steps here; each step made
     40 ms longer so that a trial lasts seconds, and the ranks agree on a stop every 0.5 s): a trial with the useless lr falls below the median of the trials
     before it, and is stopped there with a checkpoint; its status says pruned, and the study goes on."""
-    from conftest import FAULTS_DIR
-
     sweep_dir = tmp_path / "sweep"
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")) if p),
-           "STEP_DELAY_MS": "40"}
     # The random sampler's seed 6 asks the good lr first, then useless ones (the pruner compares with finished trials)
     words = [w for w in STUDY[:-2] if not w.startswith("hydra.sweeper.seed=")]
     proc = run_cli("launcher", *words, "optim.lr=choice(0.3, 0.00001, 0.00002, 0.00003)", "data.batch_size=16",
                    "trainer.eval_every_steps=4", "trainer.stop_check_s=0.5", "hydra.sweeper.sampler=random",
                    "hydra.sweeper.seed=6",
                    "hydra.sweeper.n_trials=3",  # the good lr, then useless ones: one at least is pruned
-                   "hydra.sweeper.pruner=median", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, timeout=600, env=env)
+                   "hydra.sweeper.pruner=median", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, timeout=600,
+                   env=slowed_steps(40))
     assert proc.returncode == 0, proc.stderr[-3000:]
     states = [t.state.name for t in trials(sweep_dir)]
     assert len(states) == 3 and "PRUNED" in states and "COMPLETE" in states, states
