@@ -40,18 +40,21 @@ CONF_DIR = REPO / "conf"
 FAULTS_DIR = Path(__file__).resolve().parent / "faults"
 
 
+def faults_path() -> str:
+    """PYTHONPATH with tests/faults first: its sitecustomize injects the faults and delays the variables name."""
+    return os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def fault_env(kind: str, rank: int, step: int = 0) -> dict:
     """Environment that makes rank `rank` fail as `kind` in the first attempt (see tests/faults/sitecustomize.py)."""
-    path = os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "FAULT": kind, "FAULT_RANK": str(rank), "FAULT_STEP": str(step)}
+    return {"PYTHONPATH": faults_path(), "FAULT": kind, "FAULT_RANK": str(rank), "FAULT_STEP": str(step)}
 
 
 def slowed_steps(ms: int = 20) -> dict:
     """Environment that makes every optimizer step of every rank sleep `ms` longer (tests/faults: STEP_DELAY_MS): for
     a run that trains until the test ends it, whose ranks would otherwise compute flat out beside the other tests
     while the test acts."""
-    path = os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "STEP_DELAY_MS": str(ms)}
+    return {"PYTHONPATH": faults_path(), "STEP_DELAY_MS": str(ms)}
 
 
 @contextlib.contextmanager

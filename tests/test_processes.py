@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 
-from conftest import FAST, FAULTS_DIR, fault_env, final_checkpoint, logged_steps, wait_for
+from conftest import FAST, FAULTS_DIR, fault_env, faults_path, final_checkpoint, logged_steps, wait_for
 from user_project import write_project
 
 RUN = [*FAST, "data=synthetic", "model=mlp", "model.hidden=[32]", "trainer.procs_per_node=2", "trainer.epochs=2"]
@@ -27,8 +27,7 @@ def starts(stderr: str) -> list[dict]:
 
 def traced(**more: str) -> dict:
     """The environment of a launch whose ranks report how they started."""
-    path = os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "TRACE_START": "1", **more}
+    return {**os.environ, "PYTHONPATH": faults_path(), "TRACE_START": "1", **more}
 
 
 def launch_traced(tmp_path, *overrides: str, env: dict) -> tuple[int, int, str]:
