@@ -32,13 +32,16 @@ def make_case():
     return data, model
 
 
-def reference() -> dict[str, float]:
+def reference(indices: list[int] | None = None) -> dict[str, float]:
+    """One process's metrics over the samples at `indices` (all of them by default), computed here by hand."""
     data, model = make_case()
+    chosen = torch.tensor(range(N) if indices is None else indices)
     with torch.no_grad():
-        logits = model.eval()(data.normalize(data.images))
+        logits = model.eval()(data.normalize(data.images[chosen]))
+    labels = data.labels[chosen]
     return {
-        "loss": F.cross_entropy(logits, data.labels, reduction="sum").item() / N,
-        "acc": (logits.argmax(1) == data.labels).sum().item() / N,
+        "loss": F.cross_entropy(logits, labels, reduction="sum").item() / len(chosen),
+        "acc": (logits.argmax(1) == labels).sum().item() / len(chosen),
     }
 
 
@@ -55,7 +58,8 @@ class Samples(torch.utils.data.Dataset):
         return self.images[i], self.labels[i]
 
 
-def _worker(rank: int, world: int, batch_size: int, lockstep: bool, source: str, store_path: str, out: dict) -> None:
+def _worker(rank: int, world: int, batch_size: int, lockstep: bool, source: str, store_path: str, limit: int,
+            out: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
         data, model = make_case()
@@ -66,7 +70,8 @@ def _worker(rank: int, world: int, batch_size: int, lockstep: bool, source: str,
         strategy = Strategy(model, TrainerConfig(), env, torch.device("cpu"))
         cpu = torch.device("cpu")
         dataset = data if source == "memory" else Samples(data)
-        batches = build_eval_batches(DataConfig(eval_batch_size=batch_size), dataset, rank, world, cpu, lockstep)
+        cfg = DataConfig(eval_batch_size=batch_size, max_eval_samples=limit)
+        batches = build_eval_batches(cfg, dataset, rank, world, cpu, lockstep)
         out[rank] = evaluate(strategy, Classification(), batches, device=cpu, autocast=contextlib.nullcontext)
     finally:
         dist.destroy_process_group()
@@ -77,10 +82,25 @@ def _worker(rank: int, world: int, batch_size: int, lockstep: bool, source: str,
 @pytest.mark.parametrize("source", ["memory", "loader"])
 @pytest.mark.parametrize("world,batch_size,lockstep", [(2, 16, False), (3, 16, False), (3, 11, True)])
 def test_distributed_eval_equals_single_process_eval(tmp_path, world, batch_size, lockstep, source):
-    results = run_ranks(_worker, world, world, batch_size, lockstep, source, str(tmp_path / "store"))
+    results = run_ranks(_worker, world, world, batch_size, lockstep, source, str(tmp_path / "store"), 0)
     expected = reference()
     for rank in range(world):
         assert results[rank]["acc"] == expected["acc"]  # every sample counted exactly once: a duplicate would move it
+        assert results[rank]["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("source", ["memory", "loader"])
+@pytest.mark.parametrize("world", [1, 3])
+def test_max_eval_samples_scores_the_same_samples_spread_over_the_set_at_any_world_size(tmp_path, world, source):
+    """data.max_eval_samples=40 of 101: samples 0, 2, 5, ..., 98 (i * 101 // 40), whatever the world size; in lockstep
+    on 3 ranks (14, 13 and 13 samples in batches of 13) the last two repeat one batch, uncounted."""
+    results = run_ranks(_worker, world, world, 13, world > 1, source, str(tmp_path / "store"), 40)
+    spread = [i * N // 40 for i in range(40)]
+    assert spread[:4] == [0, 2, 5, 7] and spread[-1] == 98
+    expected, whole = reference(spread), reference()
+    assert expected["acc"] != whole["acc"]  # a subset that scores differently: a test that could fail
+    for rank in range(world):
+        assert results[rank]["acc"] == expected["acc"]
         assert results[rank]["loss"] == pytest.approx(expected["loss"], rel=1e-6)
 
 
@@ -128,3 +148,6 @@ def test_a_stream_is_evaluated_from_its_start_every_time_and_an_empty_evaluation
         assert first == second and first["acc"] == reference()["acc"]
         with pytest.raises(RuntimeError, match="the evaluation counted no sample on any rank: data.eval gave no batch"):
             evaluate(strategy, Classification(), iter([]), cpu, contextlib.nullcontext)
+        limited = DataConfig(eval_batch_size=16, num_workers=0, max_eval_samples=8)
+        with pytest.raises(ValueError, match=r"data.max_eval_samples=8: data.eval \(PositionedStream\) is a stream"):
+            build_eval_batches(limited, stream, 0, 1, cpu, False)

@@ -30,6 +30,7 @@ class DataConfig:
     eval: Any = None  # the evaluation set
     batch_size: int = 64  # samples per process per micro-step (global batch = this x world size x accumulate)
     eval_batch_size: int = 512  # samples per process per evaluation forward pass
+    max_eval_samples: int = 0  # evaluate on this many samples spread evenly over data.eval (map-style sets); 0: all
     # A map-style Dataset is served by a torch DataLoader (the in-memory sets need none of these):
     num_workers: int = 0  # worker processes per rank that load and transform samples
     pin_memory: bool = True  # page-locked batches for faster, non-blocking copies to the GPU

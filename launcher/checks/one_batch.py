@@ -64,9 +64,12 @@ def check_data(cfg: Config, train, evaluation, problems: list[str]) -> None:
     different shapes that no collate function pads (two real samples are collated, as the loader will)."""
     from torch.utils.data import IterableDataset, default_collate
 
+    from train.data.streams import stream_cannot_be_limited
     from train.plan import make_plan
     from train.parallel.layout import world_size
 
+    if isinstance(evaluation, IterableDataset) and cfg.data.max_eval_samples:
+        problems.append(stream_cannot_be_limited(evaluation, cfg.data.max_eval_samples))
     if not isinstance(evaluation, IterableDataset) and hasattr(evaluation, "__len__") and len(evaluation) == 0:
         problems.append(f"data.eval ({cfg.data.eval['_target_']}) holds no sample: evaluation would have nothing to "
                         f"score. Point it at the held-out files (check its path or split), or give it a few samples.")

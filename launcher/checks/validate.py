@@ -131,6 +131,7 @@ def _check_training(cfg: Config, problems: list[str]) -> None:
     t, d, o = cfg.trainer, cfg.data, cfg.optim
     _at_least(problems, "data.batch_size", d.batch_size, 1, "it is the batch per process")
     _at_least(problems, "data.eval_batch_size", d.eval_batch_size, 1)
+    _at_least(problems, "data.max_eval_samples", d.max_eval_samples, 0, "0 evaluates on the whole set")
     _at_least(problems, "trainer.accumulate", t.accumulate, 1)
     _at_least(problems, "trainer.epochs", t.epochs, 1)
     if t.max_steps == 0 or t.max_steps < -1:  # trained every epoch without a word

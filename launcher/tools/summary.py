@@ -40,6 +40,14 @@ def describe_schedule(node: dict) -> str:
     return describe_target(node)
 
 
+def _data(cfg: Config) -> str:
+    d = cfg.data
+    source = f"{d.name} {SOURCES.get(d.name, '')}".rstrip() if str(d.train["_target_"]).startswith("train.data.sets.") \
+        else f"{describe_target(d.train)}, {d.num_workers} loader worker(s) per process"
+    limit = f"; each evaluation scores {d.max_eval_samples:,} samples spread over data.eval (data.max_eval_samples)"
+    return source + (limit if d.max_eval_samples else "")
+
+
 def _strategy(cfg: Config, world: int) -> str:
     t = cfg.trainer
     layout = layout_of(t, world // groups(t), procs_per_node(cfg.trainer))  # a replica group's
@@ -94,8 +102,7 @@ def summary(cfg: Config, run_dir: Path, changed: list[str], inherited: list[str]
         ("devices", _devices(cfg)),
         ("model", describe_target(cfg.model)),
         ("task", describe_target(cfg.task)),
-        ("data", f"{cfg.data.name} {SOURCES.get(cfg.data.name, '')}".rstrip() if str(cfg.data.train["_target_"]).startswith("train.data.sets.")
-         else f"{describe_target(cfg.data.train)}, {cfg.data.num_workers} loader worker(s) per process"),
+        ("data", _data(cfg)),
         ("batch", f"{cfg.data.batch_size} per replica x {replicas(cfg, world)} replica(s) x {t.accumulate} accumulation = global batch {batch}"),
         ("optim", f"{str(o.optimizer['_target_']).rsplit('.', 1)[-1]}, lr {lr:.4g}{lr_note}, schedule "
                   f"{describe_schedule(o.schedule)} over {t.epochs} epochs, precision {t.precision}"

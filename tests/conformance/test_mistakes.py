@@ -40,9 +40,25 @@ class ExtraDimension(nn.Module):
     def forward(self, x):
         return self.layer(x.flatten(1)).view(-1, 10, 2)
 '''
+# An evaluation set that is a stream: every rank's iteration yields the samples it gives that rank.
+STREAM = '''
+import torch
+from torch.utils.data import IterableDataset
+
+
+class VectorStream(IterableDataset):
+    def __len__(self):
+        return 16
+
+    def __iter__(self):
+        for i in range(16):
+            yield torch.full((8,), float(i)), torch.tensor(i % 3)
+'''
+
 FILES = {
     **USER_FILES,
     "shapes.py": SHAPES,
+    "stream_data.py": STREAM,
     "conf/data/empty.yaml": "# @package data\ntrain: {_target_: vectors.Empty}\neval: {_target_: vectors.Vectors, n: 10}\n",
     "conf/experiment/mine.yaml": "# @package _global_\nname: mine\n",
     "my_results/config.yaml": "my: own results\n",
@@ -139,6 +155,10 @@ MISTAKES = [
      ["data.train (vectors.Empty) is empty: its __len__ is 0, so there is nothing to train on",
       "!lower data.batch_size"]),
     ("empty-evaluation-set", [*VECTOR_RUN, "data.eval.n=0"], ["data.eval (vectors.Vectors) holds no sample"]),
+    ("max-eval-samples-of-a-stream", [*VECTOR_RUN, "~data.eval.n", "data.eval._target_=stream_data.VectorStream",
+                                      "data.max_eval_samples=8"],
+     ["data.max_eval_samples=8: data.eval (VectorStream) is a stream (an IterableDataset)",
+      "Make the stream yield fewer samples itself, or set data.max_eval_samples=0."]),
     ("batch-larger-than-a-share", [*VECTOR_RUN, "data.batch_size=40"],
      ["data.batch_size=40 x trainer.accumulate=1 is larger than one replica's share of the training set (32 of 64 "
       "samples on 2 replicas)"]),

@@ -19,7 +19,7 @@ from train.data.device import PinnedCopies, copy_pinned
 from train.data.order import GlobalOrder
 from train.data.seeds import _mix, _mix_int
 from train.data.sets import Datasets, TensorData
-from train.data.source import EvalShare, PositionFromStep, most_batches, strided_share
+from train.data.source import EvalShare, PositionFromStep, evaluated, most_batches, strided_share
 
 
 def augment(images: torch.Tensor, indices: torch.Tensor, seed: int, epoch: int, pad: int = 4) -> torch.Tensor:
@@ -86,8 +86,10 @@ class TrainBatches(PositionFromStep):
 
 
 def eval_share(data: TensorData, cfg: DataConfig, rank: int, replicas: int, device: torch.device) -> EvalShare:
-    """This rank's strided, unpadded share of the evaluation set: samples rank, rank + R, rank + 2R, ..."""
-    indices, counted = strided_share(len(data), rank, replicas)
+    """This rank's strided, unpadded share of the evaluated samples (train.data.source.evaluated): the rank-th, the
+    rank + R-th, ..."""
+    scored = evaluated(len(data), cfg.max_eval_samples)
+    indices, counted = strided_share(scored, rank, replicas)
     idx = torch.tensor(indices, dtype=torch.long, device=data.images.device)
     copies = PinnedCopies(device)
 
@@ -97,7 +99,7 @@ def eval_share(data: TensorData, cfg: DataConfig, rank: int, replicas: int, devi
             images, labels = copy_pinned(data.images[sel], data.labels[sel], device, copies)
             yield data.normalize(images), labels
 
-    return EvalShare(batches(), counted, most_batches(len(data), replicas, cfg.eval_batch_size))
+    return EvalShare(batches(), counted, most_batches(len(scored), replicas, cfg.eval_batch_size))
 
 
 def stage(data: Datasets, device: torch.device) -> Datasets:

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from train.data.device import to_device
 from train.data.order import GlobalOrder
 from train.data.seeds import preserved_generators, sample_seed, seed_generators
-from train.data.source import EvalShare, PositionFromStep, most_batches, strided_share
+from train.data.source import EvalShare, PositionFromStep, evaluated, most_batches, strided_share
 from train.config import DataConfig
 from train.host import die_with_rank, stop_signals_held
 
@@ -131,9 +131,11 @@ class LoaderBatches(PositionFromStep):
 
 
 def eval_share(dataset: Dataset, cfg: DataConfig, rank: int, replicas: int, device: torch.device) -> EvalShare:
-    """This rank's strided, unpadded share of the evaluation set: samples rank, rank + R, ..."""
-    indices, counted = strided_share(len(dataset), rank, replicas)
+    """This rank's strided, unpadded share of the evaluated samples (train.data.source.evaluated): the rank-th, the
+    rank + R-th, ..."""
+    scored = evaluated(len(dataset), cfg.max_eval_samples)
+    indices, counted = strided_share(scored, rank, replicas)
     loader = DataLoader(Subset(dataset, indices), batch_size=cfg.eval_batch_size, shuffle=False,
                         **loader_options(cfg, device))
     return EvalShare((to_device(batch, device) for batch in batches_of(loader)), counted,
-                     most_batches(len(dataset), replicas, cfg.eval_batch_size))
+                     most_batches(len(scored), replicas, cfg.eval_batch_size))

@@ -81,7 +81,17 @@ def most_batches(size: int, replicas: int, batch_size: int) -> int:
     return math.ceil(math.ceil(size / replicas) / batch_size)
 
 
-def strided_share(size: int, rank: int, replicas: int) -> tuple[list[int], bool]:
-    """This rank's sample indices (rank, rank + R, ...) and whether they count: a rank without a sample of its own
-    runs sample 0, uncounted."""
-    return (list(range(rank, size, replicas)), True) if rank < size else ([0], False)
+def evaluated(size: int, limit: int) -> range | list[int]:
+    """The indices of the evaluation set's samples that an evaluation scores: all of them, or with
+    data.max_eval_samples (`limit`) that many spread evenly over the set (sample i * size // limit), the same at every
+    evaluation and whatever the world size. Spread, not the first ones: a set in file order (a token stream's windows,
+    one source file after another) is then scored on all of its parts."""
+    if not 0 < limit < size:
+        return range(size)
+    return [i * size // limit for i in range(limit)]
+
+
+def strided_share(indices, rank: int, replicas: int) -> tuple[list[int], bool]:
+    """This rank's share of the evaluated sample indices (the rank-th, the rank + R-th, ...) and whether they count: a
+    rank without a sample of its own runs the first one, uncounted."""
+    return (list(indices[rank::replicas]), True) if rank < len(indices) else ([indices[0] if len(indices) else 0], False)

@@ -141,6 +141,8 @@ def eval_share(dataset: IterableDataset, cfg: DataConfig, rank: int, replicas: i
     each rank gets is not known in advance: in lockstep, the ranks agree before each batch (train.data.source)."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
+    if cfg.max_eval_samples:
+        raise ValueError(stream_cannot_be_limited(dataset, cfg.max_eval_samples))
     # Every evaluation reads the set from its start: a stream that keeps its position (its state_dict) would
     # otherwise give the second evaluation nothing. The same epoch each time: the same samples, in the same order.
     if callable(getattr(dataset, "set_epoch", None)):
@@ -148,3 +150,9 @@ def eval_share(dataset: IterableDataset, cfg: DataConfig, rank: int, replicas: i
     options = {**loader_options(cfg, device), "persistent_workers": False}
     loader = StatefulDataLoader(dataset, batch_size=cfg.eval_batch_size, **options)
     return EvalShare(to_device(batch, device) for batch in batches_of(loader))
+
+
+def stream_cannot_be_limited(dataset, limit: int) -> str:
+    return (f"data.max_eval_samples={limit}: data.eval ({type(dataset).__name__}) is a stream (an IterableDataset) that "
+            f"deals its samples out to the ranks itself, so no rank knows which {limit} samples of the whole set to "
+            f"score. Make the stream yield fewer samples itself, or set data.max_eval_samples=0.")
