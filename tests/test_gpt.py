@@ -178,7 +178,7 @@ def test_perplexity_at_world_size_3_equals_one_process(corpus, tmp_path):
 def test_the_tiny_preset_learns_the_python_sources_below_their_unigram_entropy(tmp_path):
     """A short run of `+experiment=gpt_tiny` from a fresh directory: the launcher tokenizes the standard library
     itself; 40 steps already bring the validation loss (2.78 nats a byte here) far below what byte frequencies alone
-    give (3.39). Each evaluation scores the preset's 1,024 windows spread over the ~5,500 (data.max_eval_samples)."""
+    give (3.39). Each evaluation scores the preset's 1,024 windows spread over the ~2,400 (data.max_eval_samples)."""
     proc = run_cli("launcher", *FAST, "+experiment=gpt_tiny", f"data.root={tmp_path / 'stdlib'}", "trainer.max_steps=40",
                    f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
