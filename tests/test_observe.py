@@ -229,6 +229,34 @@ def test_a_rank_whose_store_call_failed_once_reads_the_store_again_later(tmp_pat
     assert reports._fresh_request() == "20261128-000000-rank0"
 
 
+def test_store_calls_reuse_one_thread_and_a_stuck_call_is_left_to_its_own(monkeypatch):
+    """The watchdogs' store calls started and ended a thread each, every tick. A fork while one started or ended (a
+    DataLoader starting an evaluation's workers) inherited CPython's thread-state lock held, and the worker blocked
+    forever on it (python/cpython#112275, Python up to 3.11.x): CI's image-folder run hung at an evaluation."""
+    import threading
+
+    from conftest import wait_for
+    from train.observe.hang import StoreCalls
+
+    started, start = [], threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda thread: started.append(thread.name) or start(thread))
+    calls, store = StoreCalls("test-store-calls"), {"a": 1}
+    for _ in range(50):
+        assert calls(store, lambda s: s["a"], 5) == (True, 1)
+    assert started == ["test-store-calls"]  # one thread for 50 calls, started with the caller
+    release = threading.Event()
+    assert calls(store, lambda s: release.wait(), 0.2) == (False, None)  # a frozen server: unanswered in time
+    assert calls(store, lambda s: s["a"], 5) == (True, 1)  # answered by a fresh thread
+    assert calls(store, lambda s: s["missing"], 5) == (False, None)  # a call that fails is unanswered too
+    assert started == ["test-store-calls"] * 2
+
+    def serving() -> int:
+        return sum(t.name == "test-store-calls" for t in threading.enumerate())
+
+    release.set()  # the stuck call returns: its thread ends, the fresh one stays
+    wait_for(lambda: serving() == 1, timeout=10, what="the stuck thread to end once its call returned")
+
+
 def test_a_hang_tells_its_reason_to_the_owner_before_it_ends_the_rank(tmp_path):
     # A SLURM task is its own rank, with no agent to see exit code 70 and say why: the watchdog tells the task first.
     said = tmp_path / "said.txt"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import sys
 import sysconfig
@@ -84,22 +85,50 @@ def innermost_own_frame(stack: traceback.StackSummary) -> str:
     return f"{own[-1].filename}:{own[-1].lineno} in {own[-1].name}" if own else ""
 
 
-def ask(store, operation, wait_s: float) -> tuple[bool, object]:
-    """(answered, `operation(store)`): False where it fails or has not returned within `wait_s`. In a thread of its
-    own: a client of a frozen server (rank 0 stopped, its store's thread with it) waits forever whatever its timeout,
-    and the rank asking must not; a call left waiting is a daemon thread, which never holds the exit."""
-    outcome: dict = {}
+class StoreCalls:
+    """Store calls made one at a time in a daemon thread of their own, each waited on for at most `wait_s`: a client
+    of a frozen server (rank 0 stopped, its store's thread with it) waits forever whatever its timeout, and the rank
+    asking must not. `store_calls(store, operation, wait_s)` -> (answered, `operation(store)`): False where it failed
+    or has not returned in time.
 
-    def call() -> None:
+    One long-lived thread, not one per call: the watchdogs ask every tick, and each start and end of a thread takes
+    CPython's lock of the thread states; a fork (a DataLoader starting its workers, each evaluation) while another
+    thread held it left the worker blocked forever in its first instruction on CPython up to 3.11.x
+    (python/cpython#112275), and the evaluation waiting on it. A call that never returns keeps its thread: the next
+    call gets a new one, and the stuck one ends if its call ever returns (a daemon: it never holds the exit)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.calls: queue.SimpleQueue | None = self._serving()  # now: a rank builds this before its loaders fork
+
+    def _serving(self) -> queue.SimpleQueue:
+        calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(calls,), name=self.name, daemon=True).start()
+        return calls
+
+    def __call__(self, store, operation, wait_s: float) -> tuple[bool, object]:
+        calls = self.calls  # the watchdog's thread and the main thread (a collective's timeout) both ask
+        if calls is None:
+            calls = self.calls = self._serving()
+        outcome: dict = {}
+        done = threading.Event()
+        calls.put((store, operation, outcome, done))
+        if not done.wait(wait_s):
+            calls.put(None)  # read once the stuck call returns, if ever: its thread ends
+            if self.calls is calls:
+                self.calls = None
+            return False, None
+        return "value" in outcome, outcome.get("value")
+
+
+def _serve(calls: queue.SimpleQueue) -> None:
+    while (call := calls.get()) is not None:
+        store, operation, outcome, done = call
         try:
             outcome["value"] = operation(store)
         except Exception as error:  # noqa: BLE001 - the store's host is gone or busy: the caller's to judge
             outcome["error"] = error
-
-    asking = threading.Thread(target=call, name="store-call", daemon=True)
-    asking.start()
-    asking.join(wait_s)
-    return "value" in outcome, outcome.get("value")
+        done.set()
 
 
 class HangReports:
@@ -114,6 +143,7 @@ class HangReports:
         self.store, self.connect, self.retry_at = store, connect, 0.0
         self.started = time.time()
         self.answered: str | None = None  # the incident this rank has written its report for
+        self.store_calls = StoreCalls("hang-store-calls")
 
     def _in_store(self, operation):
         """`operation(store)`, or None once the store fails or does not answer within STORE_WAIT_S (from then on
@@ -124,7 +154,7 @@ class HangReports:
             self.retry_at = time.monotonic() + STORE_RETRY_S
         if self.store is None:
             return None
-        answered, value = ask(self.store, operation, STORE_WAIT_S)
+        answered, value = self.store_calls(self.store, operation, STORE_WAIT_S)
         if not answered:  # rank 0, which serves it, is gone or frozen: the file system serves meanwhile
             self.store, self.retry_at = None, time.monotonic() + STORE_RETRY_S
             return None

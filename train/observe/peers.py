@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from train.observe.hang import ask
+from train.observe.hang import StoreCalls
 
 LOST = "lost"  # the key rank 0 writes: which ranks showed no sign of life, and for how long
 ASK_S = 5.0  # a store call not answered by then counts as unanswered (a frozen server never answers)
@@ -37,6 +37,7 @@ class Peers:
         self.answered = time.monotonic()  # when the store last answered this rank
         self.counts: dict[int, int] = {}
         self.moved: dict[int, float] = {}  # when each rank's count last moved, as rank 0 saw it
+        self.store_calls = StoreCalls("peers-store-calls")
 
     def _ask(self, operation):
         """`operation(store)`, or None where there is no store or it fails or does not answer within ASK_S."""
@@ -44,7 +45,7 @@ class Peers:
             self.store = self.connect()
             if self.store is None:
                 return None
-        answered, value = ask(self.store, operation, ASK_S)
+        answered, value = self.store_calls(self.store, operation, ASK_S)
         if not answered:
             self.store = None  # a fresh client next tick
             return None
